@@ -1,0 +1,38 @@
+# The only setup a newcomer needs: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
+TORCH   := torch==2.13.0
+
+.PHONY: install test demo lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH)
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/lockstep run --nproc-per-node 2 examples/train_ddp.py
+
+lint: install
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+
+format: install
+	$(BIN)/ruff check --fix src tests examples benchmarks
+	$(BIN)/ruff format src tests examples benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/engine_vs_torch.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
