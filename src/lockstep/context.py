@@ -1,0 +1,147 @@
+"""`DistContext`: who this process is in the job, and the calls that join and leave it.
+
+`init()` is the first line of a training script. It reads the launcher's
+variables (through `lockstep.env`, the only module that does), joins the
+default process group (NCCL when CUDA devices are visible, gloo otherwise),
+binds the device to the local rank, and returns a frozen `DistContext` that the
+rest of the script passes around explicitly. `shutdown()` leaves the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lockstep.env import LaunchEnv, read_launch_env, read_timeout
+from lockstep.errors import EnvironmentConfigError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job. Pass it explicitly; never stash it globally.
+
+    Attributes:
+        rank: global index of this process, in [0, world_size).
+        local_rank: index of this process on its node; selects its device.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node, in [0, number of nodes).
+        backend: the torch.distributed backend ("gloo" or "nccl").
+        device: the device this process computes on.
+        restart_count: how many times the launcher restarted the group so far.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes, assuming the same number of processes on each."""
+        return max(1, self.world_size // self.local_world_size)
+
+
+def _pick_device(launch: LaunchEnv, backend: str) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if launch.local_rank >= count:
+        raise EnvironmentConfigError(
+            f"LOCAL_RANK={launch.local_rank} but only {count} CUDA device(s) are visible "
+            f"on this node (rank {launch.rank}); expected LOCAL_RANK < {count}. Start at most "
+            f"{count} processes per node (--nproc-per-node) or check CUDA_VISIBLE_DEVICES."
+        )
+    torch.cuda.set_device(launch.local_rank)
+    return torch.device("cuda", launch.local_rank)
+
+
+def default_backend() -> str:
+    """NCCL when CUDA devices are visible, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout: timedelta | None = None) -> DistContext:
+    """Join the job's default process group and return this process's context.
+
+    Safe to call when the group already exists (for example in a test harness):
+    then the existing group is described, not re-created. With no launcher
+    variables, a group of one is made, so the same script runs under `python`.
+
+    Args:
+        backend: "gloo" or "nccl"; by default NCCL when CUDA is visible, else gloo.
+        timeout: collective timeout; default LOCKSTEP_TIMEOUT_S or 5 minutes.
+
+    Returns:
+        The frozen `DistContext`.
+
+    Raises:
+        EnvironmentConfigError: the launcher's variables are inconsistent.
+    """
+    launch = read_launch_env()
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        launch = _agree_with_group(launch)
+    else:
+        backend = backend or default_backend()
+    device = _pick_device(launch, backend)
+    if not dist.is_initialized():
+        _join(launch, backend, timeout or read_timeout())
+    return DistContext(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        node_rank=launch.node_rank,
+        backend=backend,
+        device=device,
+        restart_count=launch.restart_count,
+    )
+
+
+def _agree_with_group(launch: LaunchEnv) -> LaunchEnv:
+    """Trust the existing group for rank and world size when the env says nothing."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if launch.source != "single":
+        return launch
+    return LaunchEnv("group", rank, rank, world_size, world_size, 0, "", 0)
+
+
+def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
+    if launch.world_size == 1:
+        # A group of one needs no rendezvous: an in-memory store is enough.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    # torchrun-style launchers export MASTER_ADDR/MASTER_PORT; Slurm and MPI may not.
+    init_method = (
+        "env://"
+        if launch.source == "torchrun"
+        else f"tcp://{launch.master_addr}:{launch.master_port}"
+    )
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+    )
+
+
+def shutdown() -> None:
+    """Leave the default process group; a no-op when there is none."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

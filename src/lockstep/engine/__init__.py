@@ -1,0 +1,1 @@
+"""The data-parallel engines: the textbook `NaiveDataParallel` and the bucketed one."""

@@ -1,0 +1,81 @@
+"""The worker's first frame: run the user's script and record a failure where the launcher reads it.
+
+`lockstep run` starts each worker as `python -m lockstep.launch.bootstrap
+(script.py | -m module) [args]`. The script runs as `__main__`, exactly as under
+plain `python`. If it raises, the exception and its traceback go to the error
+file that torch.distributed.elastic gives every worker (TORCHELASTIC_ERROR_FILE),
+so the launcher can print the real cause: no decorator for the user to add.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+
+
+def _target(argv: list[str]) -> Callable[[], Any]:
+    """The call that runs the script or module, with sys.argv and sys.path as python sets them."""
+    if argv[0] == "-m":
+        module = argv[1]
+        sys.argv = [module, *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        return lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
+    script = argv[0]
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    return lambda: runpy.run_path(script, run_name="__main__")
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the frames of this module and of runpy, so the traceback starts in user code."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def record(exc: BaseException) -> str:
+    """Write the exception where the elastic agent reads it (its JSON layout); return the text."""
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    path = os.environ.get(ERROR_FILE_VARIABLE)
+    if path:
+        data = {
+            "message": {
+                "message": f"{type(exc).__name__}: {exc}",
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    return text
+
+
+def main(argv: list[str]) -> None:
+    target = _target(argv)
+    try:
+        target()
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            record(exit_)
+        raise
+    except BaseException as exc:
+        text = record(exc)
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,95 @@
+"""`RunConfig`: the validated, frozen description of what `lockstep run` launches."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_AUTO_CPU_PROCS = 4
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One node's share of a job.
+
+    Attributes:
+        target: what each worker runs: ["script.py", *args] or ["-m", "pkg.mod", *args].
+        nproc_per_node: workers on this node.
+        nnodes: nodes in the job.
+        node_rank: this node's index.
+        master_addr: address of the rendezvous host (node 0).
+        master_port: its port; 0 picks a free one (single node only).
+        max_restarts: whole-group restarts allowed after a worker failure.
+        rdzv_timeout_s: how long nodes wait for each other at a rendezvous.
+        run_id: the job's name at the rendezvous; nodes of one job share it.
+        local_addr: this node's address as the other nodes reach it; None finds it.
+    """
+
+    target: list[str]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    max_restarts: int = 0
+    rdzv_timeout_s: int = 120
+    run_id: str = "lockstep"
+    local_addr: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.target or self.target == ["-m"]:
+            raise ValueError("expected a script path or `-m module` to run; found nothing")
+        if self.nproc_per_node < 1:
+            raise ValueError(
+                f"--nproc-per-node must be a positive integer or 'auto'; found "
+                f"{self.nproc_per_node}"
+            )
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1; found {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}; "
+                f"found {self.node_rank}"
+            )
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be in [0, 65535]; found {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(
+                "--master-port is required with --nnodes > 1 (every node must use the same "
+                "port); pick one that is open on the master node, for example 29500"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be at least 0; found {self.max_restarts}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def is_module(self) -> bool:
+        return self.target[0] == "-m"
+
+
+def auto_nproc_per_node() -> int:
+    """One worker per visible GPU; without GPUs one per CPU core, at most 4."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, min(MAX_AUTO_CPU_PROCS, os.cpu_count() or 1))
+
+
+def parse_nproc(value: str) -> int:
+    """Parse --nproc-per-node: 'auto' or a positive integer."""
+    if value == "auto":
+        return auto_nproc_per_node()
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(
+            f"--nproc-per-node must be a positive integer or 'auto'; found {value!r}"
+        ) from None
+    if count < 1:
+        raise ValueError(f"--nproc-per-node must be a positive integer or 'auto'; found {count}")
+    return count

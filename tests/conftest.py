@@ -1,0 +1,30 @@
+"""Test hygiene shared by every test: no leaked process group, no leaked launcher variables."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARS}
+    yield
+    leaked_group = dist.is_available() and dist.is_initialized()
+    if leaked_group:
+        dist.destroy_process_group()
+    after = {name: os.environ.get(name) for name in _LAUNCH_VARS}
+    assert not leaked_group, "a test left the default process group initialized"
+    assert after == before, f"a test changed launcher variables: {before} -> {after}"
