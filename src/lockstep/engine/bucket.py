@@ -1,0 +1,102 @@
+"""`Bucket`: one flat gradient buffer, the parameters that live in it, and its all-reduce.
+
+Each trainable parameter owns a slice of exactly one bucket. During backward
+the reducer copies (or, with gradient_as_bucket_view, finds) each gradient in
+its slice and counts down `pending`; when it reaches zero the bucket is
+complete and its all-reduce may start. `GradBucket` is the face a bucket shows
+to communication hooks, with the methods of torch's `dist.GradBucket`, so
+torch's own hooks run on this engine too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BucketTimes:
+    """perf_counter() stamps of one bucket in the current step (0.0 = not yet)."""
+
+    ready: float = 0.0
+    launched: float = 0.0
+    done: float = 0.0
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding the gradients of `params`, in that order."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    param_indices: list[int]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    pending: int = 0
+    handle: object | None = None
+    times: BucketTimes = field(default_factory=BucketTimes)
+
+    @classmethod
+    def build(
+        cls, index: int, params: list[torch.nn.Parameter], param_indices: list[int]
+    ) -> Bucket:
+        """Allocate a zeroed buffer for `params` and one view per parameter, shaped like it."""
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for param in params:
+            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return cls(index, params, param_indices, buffer, views, pending=len(params))
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def reset(self) -> None:
+        """Arm the bucket for the next synchronised backward."""
+        self.pending = len(self.params)
+        self.handle = None
+        self.times = BucketTimes()
+
+    def mark_done(self) -> None:
+        self.times.done = time.perf_counter()
+
+
+class GradBucket:
+    """The bucket as a communication hook sees it (torch's `dist.GradBucket` methods).
+
+    Args:
+        bucket: the engine's bucket.
+        is_last: whether this is the last bucket of the step.
+    """
+
+    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+        self._bucket = bucket
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of the bucket's gradients (already averaged by nobody)."""
+        return self._bucket.buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter views of `buffer()`, shaped like the parameters."""
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer's contents with `tensor` (same number of elements)."""
+        self._bucket.buffer.copy_(tensor.view_as(self._bucket.buffer))
+
+    def is_the_last_bucket_to_allreduce(self) -> bool:
+        return self._is_last
