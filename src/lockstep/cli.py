@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockstep.bench import cli as bench_cli
 from lockstep.launch import cli as run_cli
+from lockstep.plan import cli as plan_cli
 
-SUBCOMMANDS = [run_cli]
+SUBCOMMANDS = [run_cli, plan_cli, bench_cli]
 
 
 def build_parser() -> argparse.ArgumentParser:
