@@ -35,7 +35,11 @@ class NaiveDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def sync_gradients(self) -> None:
-        """All-reduce (sum) every gradient, then divide by the world size."""
+        """All-reduce (sum) every gradient, then divide by the world size.
+
+        Parameters without a gradient are skipped, so every rank must produce the
+        same set of gradients (the bucketed engine lifts that restriction).
+        """
         world_size = dist.get_world_size(self.process_group)
         for param in self.module.parameters():
             if param.grad is None:

@@ -190,8 +190,6 @@ class Reducer:
                 is_last = self._next_bucket == len(self.buckets) - 1
                 bucket.handle = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
             self._next_bucket += 1
-        if self.find_unused:
-            self._used_work = dist.all_reduce(self._used, group=self.group, async_op=True)
 
     # ------------------------------------------------------------- finalize
     def _finalize(self) -> None:
@@ -204,7 +202,8 @@ class Reducer:
             return
         globally_unused = set()
         if self.find_unused:
-            self._used_work.wait()
+            # After every bucket is done, so no hook's collective can interleave with it.
+            dist.all_reduce(self._used, group=self.group)
             globally_unused = {i for i, n in enumerate(self._used.tolist()) if n == 0}
         self._write_back(globally_unused)
         self.steps += 1

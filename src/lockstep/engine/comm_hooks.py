@@ -1,0 +1,68 @@
+"""Communication hooks: what a bucket does instead of a plain all-reduce.
+
+The contract is torch's: `hook(state, bucket) -> Future[Tensor]`, where the
+bucket's `buffer()` holds the unscaled local gradients and the future's value
+is the averaged buffer. Hooks here count the bytes they hand to collectives in
+their `HookState`, so the engine can report what really went on the wire.
+Register with `ddp.register_comm_hook(HookState(), fp16_compress_hook)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lockstep.engine.bucket import GradBucket
+
+
+@dataclass
+class HookState:
+    """A hook's process group and a count of the bytes it all-reduced this step."""
+
+    process_group: dist.ProcessGroup | None = None
+    sent_bytes: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def take_sent_bytes(self) -> int:
+        """Bytes handed to all-reduce since the last call (the engine calls it each step)."""
+        sent, self.sent_bytes = self.sent_bytes, 0
+        return sent
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Start a SUM all-reduce of `tensor` in place, counting its bytes."""
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        return dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()
+
+
+def allreduce_mean_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future:
+    """The default behaviour as a hook: divide by the world size, then sum."""
+    buffer = bucket.buffer().div_(state.world_size)
+    return state.all_reduce(buffer).then(lambda fut: fut.value()[0])
+
+
+def _compressing_hook(
+    dtype: torch.dtype,
+) -> Callable[[HookState, GradBucket], torch.futures.Future]:
+    def hook(state: HookState, bucket: GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(state.world_size)
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return state.all_reduce(compressed).then(decompress)
+
+    return hook
+
+
+fp16_compress_hook = _compressing_hook(torch.float16)
+fp16_compress_hook.__doc__ = "Cast the bucket to float16, average, cast back: half the bytes."
+bf16_compress_hook = _compressing_hook(torch.bfloat16)
+bf16_compress_hook.__doc__ = "Cast the bucket to bfloat16, average, cast back: half the bytes."

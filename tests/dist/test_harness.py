@@ -1,0 +1,52 @@
+"""The multi-rank harness itself: results come back per rank, failures and hangs are reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lockstep.testing import RankFailure, run_ranks
+
+
+def _sum_of_ranks(ctx):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    return (ctx.rank, ctx.world_size, t.item())
+
+
+def _raise_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom from rank one")
+    dist.barrier()  # rank 0 waits here for a rank that never arrives
+
+
+def _hang_forever(ctx):
+    if ctx.rank == 0:
+        time.sleep(3600)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_results_per_rank_match_native_all_reduce(world_size):
+    results = run_ranks(_sum_of_ranks, world_size)
+    expected = float(sum(range(world_size)))
+    assert results == [(r, world_size, expected) for r in range(world_size)]
+
+
+def test_exception_names_rank_and_reaps_others():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_one, 2, timeout_s=5)
+    assert 1 in info.value.failed_ranks
+    assert "rank 1 raised" in str(info.value)
+    assert "boom from rank one" in str(info.value)
+    assert time.monotonic() - start < 15
+
+
+def test_hung_rank_fails_within_deadline():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish within 3 s"):
+        run_ranks(_hang_forever, 2, deadline_s=3)
+    assert time.monotonic() - start < 10
