@@ -75,7 +75,7 @@ def parse_link(text: str, arg: str) -> Link:
     name = text.strip().lower()
     if name in NAMED_LINKS:
         return NAMED_LINKS[name]
-    if not name[:1].isdigit() and not name.startswith("."):
+    if not name[:1].isdigit() and name[:1] not in "+-.":
         raise ValueError(f"{arg}: unknown link {text!r}; expected {LINK_FORMS}")
     rate = parse_rate(text, arg)
     return Link(text.strip(), rate, rate, 0.0, "given bandwidth, no latency")

@@ -14,7 +14,7 @@ from enum import Enum
 
 _DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
-_NUMBER = r"(?P<num>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)"
+_NUMBER = r"(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)"
 _SIZE_RE = re.compile(_NUMBER + r"\s*(?P<prefix>[KMGTP]i?)?(?P<unit>B)?$", re.IGNORECASE)
 _RATE_RE = re.compile(
     _NUMBER + r"\s*(?P<prefix>[KMGTP]i?)?(?P<unit>B|bit|b)(?:/s|ps)$", re.IGNORECASE
