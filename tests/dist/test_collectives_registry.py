@@ -1,0 +1,127 @@
+"""`make_allreduce` (the engine's choice of algorithm) and the hierarchical all-reduce.
+
+Every name is checked against gloo's native all-reduce, with simulated nodes
+for "hierarchical" (world size 4 as 2 nodes x 2, world size 6 as 3 x 2 and 2 x 3),
+on sub-groups running side by side, from a separate thread (as the engine calls
+it), and bad input raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_collectives import DTYPES, _data, _native_sum, _within_bound
+
+from lockstep.collectives import ACCEPTED, make_allreduce
+from lockstep.errors import RankMismatchError
+from lockstep.testing import run_ranks
+
+FLAT = ("native", "naive", "tree", "ring", "halving_doubling")
+
+
+def _check_sum(fn, rank: int, world_size: int, label: str, group=None) -> list[str]:
+    """fn against native SUM: integer data bitwise, random data within the rounding bound."""
+    fails = []
+    for dtype in DTYPES:
+        for integer in (True, False):
+            x = _data(rank, 1001, dtype, seed=17, integer=integer)
+            native = x.clone()
+            dist.all_reduce(native, group=group)
+            ours = x.clone()
+            fn(ours)
+            if integer and not torch.equal(ours, native):
+                fails.append(f"{label} {dtype}: differs from native on integer data")
+            if not integer and group is None and not _within_bound(ours, x, world_size):
+                fails.append(f"{label} {dtype}: outside the rounding bound")
+    return fails
+
+
+def _layouts(world_size: int) -> list[int]:
+    """Every local_world_size that divides the world size: 1 node to one rank per node."""
+    return [lws for lws in range(1, world_size + 1) if world_size % lws == 0]
+
+
+def _check_names(ctx) -> list[str]:
+    fails = []
+    for name in FLAT:
+        fn = make_allreduce(name, None, ctx.local_world_size)
+        fails += _check_sum(fn, ctx.rank, ctx.world_size, name)
+    for lws in _layouts(ctx.world_size):
+        fn = make_allreduce("hierarchical", None, lws)
+        fails += _check_sum(fn, ctx.rank, ctx.world_size, f"hierarchical lws={lws}")
+    with ThreadPoolExecutor(1) as thread:
+        fn = make_allreduce("ring", None, 1)
+        x = _data(ctx.rank, 333, torch.float32, seed=5, integer=True)
+        ours = x.clone()
+        thread.submit(fn, ours).result()
+        if not torch.equal(ours, _native_sum(x)):
+            fails.append("ring from a thread: differs from native")
+    return fails + _check_errors(ctx)
+
+
+def _check_errors(ctx) -> list[str]:
+    fails = []
+    try:
+        make_allreduce("butterfly", None, 1)
+        fails.append("an unknown name was accepted")
+    except ValueError as error:
+        if not all(name in str(error) for name in ACCEPTED):
+            fails.append(f"the error does not list the accepted names: {error}")
+    if ctx.world_size > 1:
+        try:
+            make_allreduce("ring" if ctx.rank == 0 else "tree", None, 1)
+            fails.append("ranks asking for different algorithms were not stopped")
+        except RankMismatchError as error:
+            if "'tree'" not in str(error) or "rank 0" not in str(error):
+                fails.append(f"the mismatch message does not say who asked what: {error}")
+    if ctx.world_size == 4:
+        try:
+            make_allreduce("hierarchical", None, 3)
+            fails.append("local_world_size 3 at world size 4 was accepted")
+        except ValueError as error:
+            if "local_world_size" not in str(error):
+                fails.append(f"unclear message: {error}")
+    return fails
+
+
+def _check_sub_groups(ctx) -> list[str]:
+    """Two sub-groups, {0, 2} and {1, 3}, each running every algorithm at the same time."""
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    group = evens if ctx.rank % 2 == 0 else odds
+    fails = []
+    for name in (*FLAT, "hierarchical"):
+        fn = make_allreduce(name, group, 2)
+        label = f"{name} on a sub-group"
+        fails += _check_sum(fn, ctx.rank, 2, label, group=group)
+    return fails
+
+
+def _checks(ctx) -> list[str]:
+    fails = _check_names(ctx)
+    if ctx.world_size == 4:
+        fails += _check_sub_groups(ctx)
+    return fails
+
+
+def _check_hierarchical_only(ctx) -> list[str]:
+    fails = []
+    for lws in (2, 3):
+        fn = make_allreduce("hierarchical", None, lws)
+        fails += _check_sum(fn, ctx.rank, ctx.world_size, f"hierarchical lws={lws}")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_make_allreduce_matches_native(world_size):
+    results = run_ranks(_checks, world_size, timeout_s=30, deadline_s=110)
+    failures = [f"rank {rank}: {fail}" for rank, fails in enumerate(results) for fail in fails]
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_hierarchical_at_world_size_six():
+    results = run_ranks(_check_hierarchical_only, 6, timeout_s=30, deadline_s=110)
+    failures = [f"rank {rank}: {fail}" for rank, fails in enumerate(results) for fail in fails]
+    assert not failures, "\n".join(failures[:40])
