@@ -54,21 +54,19 @@ class PowerSGDState(HookState):
         n, m = grad.shape[0], grad[0].numel()
         return n * m > self.min_compression_ratio * (n + m) * self.rank
 
-    def initial_q(self, key: int, m: int, like: torch.Tensor) -> torch.Tensor:
+    def rank_for(self, m: torch.Tensor) -> int:
+        """The approximation's rank for matrix `m`: never above its own rank bound."""
+        return min(self.rank, m.shape[0], m.shape[1])
+
+    def initial_q(self, key: int, m: torch.Tensor) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed + key)
-        q = torch.randn(m, self.rank, generator=gen, dtype=torch.float32)
-        return q.to(device=like.device, dtype=like.dtype)
+        q = torch.randn(m.shape[1], self.rank_for(m), generator=gen, dtype=torch.float32)
+        return q.to(device=m.device, dtype=m.dtype)
 
 
 def _orthonormalise(p: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the columns of `p` (small r: a loop is clearer than QR)."""
-    out = p.clone()
-    for i in range(out.shape[1]):
-        col = out[:, i]
-        for j in range(i):
-            col -= torch.dot(out[:, j], col) * out[:, j]
-        col /= col.norm().clamp_min(1e-8)
-    return out
+    """An orthonormal basis of the columns of `p` (reduced QR, stable where Gram-Schmidt drifts)."""
+    return torch.linalg.qr(p.float(), mode="reduced").Q.to(p.dtype)
 
 
 def _compress_bucket(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:
@@ -93,7 +91,7 @@ def _compress_bucket(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:
         m.add_(state.errors.setdefault(key, torch.zeros_like(m)))
         q = state.qs.get(key)
         if q is None:
-            q = state.initial_q(len(state.qs), m.shape[1], m)
+            q = state.initial_q(len(state.qs), m)
             state.qs[key] = q
         ms.append(m)
         qs.append(q)
@@ -102,16 +100,18 @@ def _compress_bucket(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:
     state.all_reduce(flat_p).wait()
     offset = 0
     for i, m in enumerate(ms):
-        n = m.shape[0] * state.rank
-        ps[i] = _orthonormalise(flat_p[offset : offset + n].view(m.shape[0], state.rank))
+        r = state.rank_for(m)
+        n = m.shape[0] * r
+        ps[i] = _orthonormalise(flat_p[offset : offset + n].view(m.shape[0], r))
         offset += n
         qs[i] = m.t() @ ps[i]
     flat_q = torch.cat([q.reshape(-1) for q in qs])
     state.all_reduce(flat_q).wait()
     offset = 0
     for i, (m, (_, param)) in enumerate(zip(ms, matrices, strict=True)):
-        n = m.shape[1] * state.rank
-        q = flat_q[offset : offset + n].view(m.shape[1], state.rank).div_(world)
+        r = state.rank_for(m)
+        n = m.shape[1] * r
+        q = flat_q[offset : offset + n].view(m.shape[1], r).div_(world)
         offset += n
         state.qs[id(param)] = q.clone()
         approx = ps[i] @ q.t()

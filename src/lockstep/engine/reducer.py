@@ -211,7 +211,7 @@ class Reducer:
 
     def _wait(self, bucket: Bucket) -> None:
         handle = bucket.handle
-        if isinstance(handle, torch.futures.Future):
+        if not hasattr(handle, "done_at"):  # a comm hook's future
             result = handle.wait()
             result = result[0] if isinstance(result, list) else result
             if result.data_ptr() != bucket.buffer.data_ptr():

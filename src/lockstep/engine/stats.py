@@ -41,7 +41,7 @@ class StepStats:
     """Figures of the last synchronised step (times in seconds).
 
     Attributes:
-        step: count of synchronised backwards so far.
+        step: count of synchronised backwards so far, this one included.
         world_size: ranks that took part.
         forward_seconds: the wrapped module's forward.
         backward_seconds: from the end of forward to the end of autograd's work.
