@@ -177,7 +177,9 @@ def _portable_state_dict(ctx):
     plain.load_state_dict(ours.state_dict())  # our keys are the plain module's
     same = all(
         torch.equal(a, b)
-        for a, b in zip(plain.state_dict().values(), theirs.module.state_dict().values())
+        for a, b in zip(
+            plain.state_dict().values(), theirs.module.state_dict().values(), strict=True
+        )
     )
     return list(ours.state_dict()) == list(MLP().state_dict()), same, ours.module is not None
 
@@ -188,7 +190,7 @@ def test_state_dict_is_portable():
 
 
 def _stats(ctx):
-    ddp = lockstep.DistributedDataParallel(MLP(64), bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)
+    ddp = lockstep.DistributedDataParallel(MLP(64), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     for _ in range(3):
         ddp(torch.randn(8, 8)).sum().backward()
     return ddp.stats, ddp.payload_bytes
