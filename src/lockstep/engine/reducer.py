@@ -274,6 +274,7 @@ class Reducer:
             comm_seconds=sum(r.comm_seconds for r in records),
             exposed_seconds=finalize_end - backward_end,
             buckets=records,
+            start=start,
         )
 
     def remove_hooks(self) -> None:

@@ -50,6 +50,7 @@ class StepStats:
         comm_seconds: sum over buckets of launch-to-done time.
         exposed_seconds: time backward waited for communication after autograd finished.
         buckets: per-bucket records.
+        start: perf_counter() at the start of the step's forward (the records' origin).
     """
 
     step: int
@@ -61,6 +62,7 @@ class StepStats:
     comm_seconds: float
     exposed_seconds: float
     buckets: tuple[BucketRecord, ...] = field(default_factory=tuple)
+    start: float = 0.0
 
     @property
     def overlap(self) -> float:
