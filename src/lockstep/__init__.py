@@ -1,16 +1,21 @@
 """lockstep: distributed data-parallel training for PyTorch that you can read, measure and trust."""
 
+from lockstep.checkpoint import Checkpointer
 from lockstep.context import DistContext, init, shutdown
+from lockstep.data import ShardedSampler, shard
 from lockstep.engine.ddp import DDP, DistributedDataParallel
 from lockstep.engine.naive import NaiveDataParallel
 from lockstep.errors import LockstepError
 
 __all__ = [
     "DDP",
+    "Checkpointer",
     "DistContext",
     "DistributedDataParallel",
     "LockstepError",
     "NaiveDataParallel",
+    "ShardedSampler",
     "init",
+    "shard",
     "shutdown",
 ]

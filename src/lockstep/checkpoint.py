@@ -1,0 +1,259 @@
+"""`Checkpointer`: rank 0 saves, every rank restores, and a resumed run continues exactly.
+
+`save()` is called on every rank after a step: the ranks send their random
+generator states to rank 0, rank 0 writes one file atomically (see
+`lockstep.checkpoint_files`), and the other ranks wait at a barrier until it is
+done. `restore()` is called on every rank before training: rank 0 finds the
+newest valid checkpoint, each rank loads it onto its own device and takes back
+its own generator state. A problem found on one rank is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lockstep import rng
+from lockstep.checkpoint_files import CheckpointFiles
+from lockstep.checkpoint_state import build_payload, device_of, load_component, load_model
+from lockstep.env import read_timeout
+from lockstep.errors import CheckpointError
+
+
+def _coordination_group(
+    process_group: dist.ProcessGroup | None, world_size: int
+) -> dist.ProcessGroup | None:
+    """A gloo group for the small CPU messages and the timed barrier (NCCL has neither)."""
+    if world_size == 1 or dist.get_backend(process_group) == "gloo":
+        return process_group
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+class Checkpointer:
+    """Save and restore training state in `directory`; construct it on every rank.
+
+    Args:
+        directory: where checkpoints are written (by rank 0) and read (by every rank);
+            all ranks must see the same directory (a shared file system across nodes).
+        keep: how many checkpoints to keep; older ones are deleted after a save.
+        timeout_s: how long the other ranks wait for rank 0 to write or find a
+            checkpoint; LOCKSTEP_TIMEOUT_S (default 5 minutes) when None.
+        process_group: the data-parallel group; the default group when None.
+
+    Attributes:
+        extra: after `restore()`, the `extra` that was saved with the checkpoint.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int = 3,
+        timeout_s: float | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.files = CheckpointFiles(self.directory, keep)
+        self.timeout = read_timeout() if timeout_s is None else timedelta(seconds=timeout_s)
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        self._group = _coordination_group(process_group, self.world_size)
+        self.extra: Any = None
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: Any = None,
+        sampler: Any = None,
+        scheduler: Any = None,
+        extra: Any = None,
+    ) -> Path:
+        """Save the training state after `step`; call on every rank, only rank 0 writes.
+
+        Args:
+            step: the number of the step just finished (an int >= 0); `restore` returns it.
+            model: the model, wrapped or not; saved without any wrapper's prefix.
+            optimizer: its state_dict() is saved.
+            sampler: a `ShardedSampler`, the loader from `shard()`, or anything with
+                state_dict(); saves the place inside the epoch.
+            scheduler: a learning-rate scheduler.
+            extra: anything else made of tensors, numbers, strings and plain containers.
+
+        Returns:
+            The path of the checkpoint file.
+
+        Raises:
+            CheckpointError: on every rank, when rank 0 could not write (the message
+                names the directory and the reason) or the ranks timed out waiting for it.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"save() expected a step that is an int >= 0; found {step!r}")
+        states = self._gather_rng()
+        error = None
+        if self.rank == 0:
+            components = {"model": model, "optimizer": optimizer, "sampler": sampler}
+            components["scheduler"] = scheduler
+            error = self._write(step, components, states, extra)
+        self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
+        error = self._from_rank0(error)
+        if error is not None:
+            raise CheckpointError(f"{error} (raised on rank {self.rank})")
+        return self.files.path_for(step)
+
+    def _write(
+        self, step: int, components: dict[str, Any], states: list[Any], extra: Any
+    ) -> str | None:
+        """Rank 0's part of a save; returns an error message instead of raising."""
+        try:
+            payload = build_payload(step, self.world_size, components, states, extra)
+            self.files.write(step, payload)
+        except CheckpointError as error:
+            return f"rank 0 could not save step {step}: {error}"
+        except OSError as error:
+            return (
+                f"rank 0 could not write checkpoint step {step} in {self.directory}: {error}. "
+                "Expected a writable directory with free space; earlier checkpoints are "
+                "untouched. Fix the permissions or choose another directory."
+            )
+        return None
+
+    def restore(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: Any = None,
+        sampler: Any = None,
+        scheduler: Any = None,
+    ) -> int | None:
+        """Load the newest valid checkpoint into what is given; call on every rank.
+
+        Tensors are loaded onto the device of `model` on each rank. A corrupt or
+        truncated newest checkpoint is skipped with a warning and the one before is
+        used. When the checkpoint was saved at another world size, the model,
+        optimizer and data position are restored (the rest of the epoch is re-dealt
+        over the new ranks), but the random generators keep the seeds this run set.
+
+        Returns:
+            The step the checkpoint was saved at, or None when there is none.
+
+        Raises:
+            CheckpointError: on every rank, naming the file and the problem (no valid
+                checkpoint although files exist, a checkpoint of another model, ...).
+        """
+        device = device_of(model)
+        path, payload, error = None, {}, None
+        if self.rank == 0:
+            path, payload, error = self._find(device)
+        self._wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
+        path, error = self._from_rank0((path, error))
+        if error is not None:
+            raise CheckpointError(f"{error} (raised on rank {self.rank})")
+        if path is None:
+            return None
+        components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+        self._raise_if_any(self._apply(path, payload, device, model, components))
+        self._restore_rng(path, payload)
+        return int(payload["step"])
+
+    def _find(self, device: Any) -> tuple[Path | None, dict[str, Any], str | None]:
+        try:
+            path, payload, notes = self.files.find_latest(device)
+        except CheckpointError as error:
+            return None, {}, str(error)
+        for note in notes:
+            warnings.warn(f"Checkpointer.restore: {note}", stacklevel=3)
+        return path, payload, None
+
+    def _apply(
+        self,
+        path: Path,
+        payload: dict[str, Any],
+        device: Any,
+        model: nn.Module,
+        components: dict[str, Any],
+    ) -> str | None:
+        """Load the checkpoint into this rank's objects; returns an error message or None."""
+        try:
+            if not payload:
+                payload.update(self.files.load(path, device, verify=False))
+            load_model(model, payload["model"], str(path))
+            for name, component in components.items():
+                if component is not None:
+                    load_component(component, payload.get(name), name, str(path))
+        except CheckpointError as error:
+            return str(error)
+        self.extra = payload.get("extra")
+        return None
+
+    def _restore_rng(self, path: Path, payload: dict[str, Any]) -> None:
+        saved_size = int(payload.get("world_size", 0))
+        if saved_size == self.world_size:
+            rng.restore(payload["rng"][self.rank])
+        elif self.rank == 0:
+            warnings.warn(
+                f"Checkpointer.restore: {path} was saved by {saved_size} rank(s) and this run "
+                f"has {self.world_size}: the model, optimizer and data position are restored "
+                "and the samples left in the epoch are re-sharded over the new ranks, but "
+                "per-rank random streams restart from the seed this run set; the run will "
+                "not repeat an uninterrupted one bit for bit.",
+                stacklevel=3,
+            )
+
+    def _gather_rng(self) -> list[Any]:
+        mine = rng.capture()
+        if self.world_size == 1:
+            return [mine]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, group=self._group, group_dst=0)
+        return gathered or []
+
+    def _wait_for_rank0(self, what: str) -> None:
+        """A barrier with this Checkpointer's timeout, whose error says what was awaited."""
+        if self.world_size == 1:
+            return
+        try:
+            dist.monitored_barrier(group=self._group, timeout=self.timeout)
+        except RuntimeError as error:
+            seconds = self.timeout.total_seconds()
+            if self.rank != 0:
+                raise CheckpointError(
+                    f"rank {self.rank} timed out after {seconds:.0f} s waiting for rank 0's "
+                    f"{what}; rank 0 may be stuck (slow or full disk) or dead. Read rank 0's "
+                    "log, or give the Checkpointer a longer timeout_s."
+                ) from error
+            raise CheckpointError(
+                f"rank 0 finished its {what} but not every rank reached the barrier after it "
+                f"within {seconds:.0f} s: {error}"
+            ) from error
+
+    def _from_rank0(self, value: Any) -> Any:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=self._group, group_src=0)
+        return box[0]
+
+    def _raise_if_any(self, error: str | None) -> None:
+        """Exchange every rank's error (or None) and raise the same error on every rank."""
+        errors = [error]
+        if self.world_size > 1:
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self._group)
+        by_text: dict[str, list[int]] = {}
+        for rank, text in enumerate(errors):
+            if text is not None:
+                by_text.setdefault(text, []).append(rank)
+        if by_text:
+            lines = "; ".join(f"on rank(s) {ranks}: {text}" for text, ranks in by_text.items())
+            raise CheckpointError(f"restore failed (raised on rank {self.rank}) {lines}")
