@@ -208,7 +208,11 @@ def read_timeout(env: Mapping[str, str] | None = None) -> timedelta:
 
 
 def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | int] | None:
-    """Under Slurm, the launcher's node count, node rank and first host; else None."""
+    """Under Slurm, the launcher's node count, node rank, first host and port; else None.
+
+    The port is MASTER_PORT when set, else derived from SLURM_JOB_ID (in [20000, 30000)),
+    so every node of the job picks the same one without being told.
+    """
     env = os.environ if env is None else env
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return None
@@ -217,7 +221,15 @@ def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | in
         "nnodes": _int(env, "SLURM_NNODES"),
         "node_rank": _int(env, "SLURM_NODEID", 0),
         "master_addr": first_host,
+        "master_port": _int(env, "MASTER_PORT", 20000 + _int(env, "SLURM_JOB_ID") % 10000),
     }
+
+
+def read_socket_ifnames(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The interface choices the user made for gloo and NCCL (GLOO_/NCCL_SOCKET_IFNAME)."""
+    env = os.environ if env is None else env
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    return {name: env[name] for name in names if env.get(name)}
 
 
 def _first_host(nodelist: str) -> str:

@@ -1,17 +1,21 @@
 """The worker's first frame: run the user's script and record a failure where the launcher reads it.
 
 `lockstep run` starts each worker as `python -m lockstep.launch.bootstrap
-(script.py | -m module) [args]`. The script runs as `__main__`, exactly as under
-plain `python`. If it raises, the exception and its traceback go to the error
-file that torch.distributed.elastic gives every worker (TORCHELASTIC_ERROR_FILE),
-so the launcher can print the real cause: no decorator for the user to add.
+--parent PID (script.py | -m module) [args]`. The script runs as `__main__`,
+exactly as under plain `python`. If it raises, the exception and its traceback go
+to the error file that torch.distributed.elastic gives every worker
+(TORCHELASTIC_ERROR_FILE), so the launcher can print the real cause: no decorator
+for the user to add. The worker asks the kernel to kill it if the launcher (PID)
+dies, so a launcher killed with SIGKILL leaves no worker behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -20,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+_PR_SET_PDEATHSIG = 1
 
 
 def _target(argv: list[str]) -> Callable[[], Any]:
@@ -61,7 +66,21 @@ def record(exc: BaseException) -> str:
     return text
 
 
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when `parent` exits (Linux); exit now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still runs
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--parent"]:
+        _die_with(int(argv[1]))
+        argv = argv[2:]
     target = _target(argv)
     try:
         target()

@@ -1,11 +1,28 @@
-"""`lockstep run`: the subcommand's flags, turned into a `RunConfig`."""
+"""`lockstep run`: the subcommand's flags, turned into a `RunConfig`.
+
+    lockstep run --nproc-per-node 2 train.py                     # one node
+    lockstep run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+        --nproc-per-node 8 --max-restarts 3 train.py --lr 0.1     # node 0 of two
+    srun lockstep run train.py                                    # Slurm fills in the rest
+
+Under Slurm (SLURM_JOB_ID and SLURM_NNODES set) the node count, node rank, master
+address and port default to the job's; a flag given explicitly wins.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from lockstep.env import read_slurm_nodes
 from lockstep.launch.config import RunConfig, parse_nproc
+
+DEFAULTS: dict[str, str | int] = {
+    "nnodes": 1,
+    "node_rank": 0,
+    "master_addr": "127.0.0.1",
+    "master_port": 0,
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="launch a training script on this node's workers",
         description="Launch SCRIPT (or -m MODULE) once per worker, with RANK, WORLD_SIZE, ... set.",
     )
+    run.add_argument("--nnodes", type=int, help="nodes in the job (default 1, or Slurm's)")
+    run.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes)")
+    run.add_argument("--master-addr", help="address of node 0, which hosts the rendezvous")
+    run.add_argument("--master-port", type=int, help="its port; 0 or omitted: a free one")
     run.add_argument(
         "--nproc-per-node",
         default="auto",
@@ -24,7 +45,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-restarts",
         type=int,
         default=0,
-        help="restart the whole group up to this many times after a failure",
+        help="restart the whole group (every node) up to this many times after a failure",
+    )
+    run.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=120,
+        help="seconds nodes wait for each other (at start and after each restart)",
+    )
+    run.add_argument(
+        "--local-addr",
+        help="this node's address as the others reach it (default: the one routed to the master)",
     )
     run.add_argument(
         "-m",
@@ -37,6 +68,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=main)
 
 
+def _placement(ns: argparse.Namespace) -> dict[str, str | int]:
+    """nnodes, node_rank, master_addr, master_port: flags, else Slurm's, else defaults."""
+    slurm = read_slurm_nodes() or {}
+    return {
+        key: getattr(ns, key) if getattr(ns, key) is not None else slurm.get(key, default)
+        for key, default in DEFAULTS.items()
+    }
+
+
 def run_config(ns: argparse.Namespace) -> RunConfig:
     """Validate the flags; raises ValueError with a message naming the flag."""
     if not ns.module and not Path(ns.target).is_file():
@@ -45,10 +85,17 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
             "(or `-m package.module`)"
         )
     target = ["-m", ns.target, *ns.args] if ns.module else [ns.target, *ns.args]
+    place = _placement(ns)
     return RunConfig(
         target=target,
         nproc_per_node=parse_nproc(ns.nproc_per_node),
+        nnodes=int(place["nnodes"]),
+        node_rank=int(place["node_rank"]),
+        master_addr=str(place["master_addr"]),
+        master_port=int(place["master_port"]),
         max_restarts=ns.max_restarts,
+        rdzv_timeout_s=ns.rdzv_timeout,
+        local_addr=ns.local_addr,
     )
 
 

@@ -22,9 +22,13 @@ class RunConfig:
         master_addr: address of the rendezvous host (node 0).
         master_port: its port; 0 picks a free one (single node only).
         max_restarts: whole-group restarts allowed after a worker failure.
-        rdzv_timeout_s: how long nodes wait for each other at a rendezvous.
+        rdzv_timeout_s: how long nodes wait for each other at a rendezvous (and, on nodes
+            other than 0, for the master's port to answer before the first one).
         run_id: the job's name at the rendezvous; nodes of one job share it.
-        local_addr: this node's address as the other nodes reach it; None finds it.
+        local_addr: this node's address as the other nodes reach it; None asks the
+            routing table which local address leads to the master.
+        extra_env: variables added to the workers' environment.
+        shutdown_timeout_s: after SIGTERM, seconds a worker gets before SIGKILL.
     """
 
     target: list[str]
@@ -38,6 +42,7 @@ class RunConfig:
     run_id: str = "lockstep"
     local_addr: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:
@@ -63,6 +68,12 @@ class RunConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0; found {self.max_restarts}")
+        if self.rdzv_timeout_s < 1:
+            raise ValueError(
+                f"--rdzv-timeout must be at least 1 second; found {self.rdzv_timeout_s}"
+            )
+        if not self.master_addr:
+            raise ValueError("--master-addr must name the master node; found an empty string")
 
     @property
     def world_size(self) -> int:

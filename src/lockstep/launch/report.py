@@ -1,58 +1,124 @@
-"""Turn torch.distributed.elastic's failure record into one short, readable summary.
+"""Short, readable failure reports: which rank on which node, how it ended, its own traceback.
 
-The summary names the failed rank and node, its exit code or signal, the
-exception, and the last lines of the worker's own traceback (recorded by
-`lockstep.launch.bootstrap`), instead of a page of launcher internals.
+`describe` turns torch.distributed.elastic's `ProcessFailure` (exit code, and the
+error file that `lockstep.launch.bootstrap` writes) into a `WorkerFailure`.
+`summarize` renders the reports every node gathered into the few lines the
+launcher prints on every node when training fails; `restart_line` is the one line
+logged for each restart.
 """
 
 from __future__ import annotations
 
-import socket
+import time
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from lockstep.launch.group import NodeReport, WorkerFailure, first_failure
 
 TRACEBACK_LINES = 12
+MESSAGE_CHARS = 200
 
 
-def _traceback_tail(failure: ProcessFailure, lines: int) -> list[str]:
-    data = failure.error_file_data or {}
-    message = data.get("message", {})
+def _traceback(failure: ProcessFailure) -> list[str]:
+    message = (failure.error_file_data or {}).get("message", {})
     if not isinstance(message, dict):
         return []
     stack = message.get("extraInfo", {}).get("py_callstack", "")
-    tail = [line for line in stack.rstrip().splitlines() if line.strip()]
-    return tail[-lines:]
+    return [line for line in stack.rstrip().splitlines() if line.strip()]
 
 
-def _exit_reason(failure: ProcessFailure) -> str:
+def _how(failure: ProcessFailure) -> str:
     if failure.exitcode is not None and failure.exitcode < 0:
         return f"killed by signal {failure.signal_name()}"
     return f"exit code {failure.exitcode}"
 
 
-def describe_failure(
-    rank: int, failure: ProcessFailure, node_rank: int, lines: int = TRACEBACK_LINES
-) -> str:
-    """A few lines about one failed worker."""
-    head = (
-        f"rank {rank} (local rank {failure.local_rank}, node {node_rank} "
-        f"[{socket.gethostname()}], pid {failure.pid}): {_exit_reason(failure)}"
+def describe(rank: int, failure: ProcessFailure, node_rank: int, host: str) -> WorkerFailure:
+    """A `WorkerFailure` for global rank `rank` from elastic's record of it."""
+    stack = _traceback(failure)
+    return WorkerFailure(
+        rank=rank,
+        local_rank=failure.local_rank,
+        node_rank=node_rank,
+        host=host,
+        pid=failure.pid,
+        how=_how(failure),
+        message=stack[-1] if stack else "",
+        traceback=stack[-TRACEBACK_LINES:],
+        detected=time.time(),
     )
-    tail = _traceback_tail(failure, lines)
-    if not tail:
-        return head + "\n    (no Python traceback: the process died without raising)"
-    return head + "\n" + "\n".join("    " + line for line in tail)
 
 
-def summarize(error: ChildFailedError, node_rank: int) -> str:
-    """The summary printed by `lockstep run` when workers fail, first failure first."""
-    failures = sorted(error.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    first_rank, first = failures[0]
-    parts = [
-        f"lockstep run: {len(failures)} worker(s) failed on node {node_rank}; first failure:",
-        "  " + describe_failure(first_rank, first, node_rank).replace("\n", "\n  "),
-    ]
-    others = [f"rank {r} ({_exit_reason(f)})" for r, f in failures[1:]]
-    if others:
-        parts.append("  other workers: " + ", ".join(others))
-    return "\n".join(parts)
+def where(failure: WorkerFailure) -> str:
+    """'rank 3 (node 1, vm, local rank 1, pid 42)'."""
+    return (
+        f"rank {failure.rank} (node {failure.node_rank}, {failure.host}, "
+        f"local rank {failure.local_rank}, pid {failure.pid})"
+    )
+
+
+def one_line(failure: WorkerFailure) -> str:
+    """'rank 3 (node 1, ...): killed by signal SIGKILL' or '...: exit code 1: ValueError: x'."""
+    message = failure.message
+    if len(message) > MESSAGE_CHARS:
+        message = message[: MESSAGE_CHARS - 3] + "..."
+    tail = f": {message}" if message else ""
+    return f"{where(failure)}: {failure.how}{tail}"
+
+
+def _silent(reports: dict[int, NodeReport], nnodes: int) -> str:
+    missing = [str(node) for node in range(nnodes) if node not in reports]
+    if not missing:
+        return ""
+    return f"node {', '.join(missing)} sent no report (its launcher died or is unreachable); "
+
+
+def cause_line(reports: dict[int, NodeReport], nnodes: int) -> str:
+    """One line naming what went wrong first in this round."""
+    first = first_failure(reports)
+    if first is not None:
+        silent = _silent(reports, nnodes) if first.is_echo else ""
+        return silent + ("first error seen: " if silent else "") + one_line(first)
+    stopped = [r for r in reports.values() if r.final] or list(reports.values())
+    if not stopped:
+        return "unknown cause (no node reported)"
+    report = min(stopped, key=lambda r: r.node_rank)
+    return f"node {report.node_rank} ({report.host}): {report.cause}"
+
+
+def restart_line(
+    reports: dict[int, NodeReport], nnodes: int, restart: int, max_restarts: int
+) -> str:
+    """The log line for one whole-group restart."""
+    return (
+        f"restart {restart} of {max_restarts}: {cause_line(reports, nnodes)}; every node "
+        "restarts its workers into a fresh rendezvous round"
+    )
+
+
+def _others(reports: dict[int, NodeReport], first: WorkerFailure | None, nnodes: int) -> list[str]:
+    lines = []
+    for node in range(nnodes):
+        report = reports.get(node)
+        if report is None:
+            lines.append(f"  node {node}: sent no report (its launcher died or is unreachable)")
+            continue
+        ranks = [f.rank for f in report.failures if f != first]
+        detail = f" (also failed: ranks {', '.join(map(str, ranks))})" if ranks else ""
+        lines.append(f"  node {node} ({report.host}, {report.addr}): {report.cause}{detail}")
+    return lines
+
+
+def summarize(reports: dict[int, NodeReport], nnodes: int, node_rank: int) -> str:
+    """The summary a launcher prints when training fails for good; the same on every node."""
+    first = first_failure(reports)
+    lines = [f"lockstep run: training failed (this is node {node_rank} of {nnodes})."]
+    if first is not None:
+        lines.append(f"  first failure: {where(first)}: {first.how}")
+        if first.traceback:
+            lines += ["      " + line for line in first.traceback]
+        else:
+            lines.append("      (no Python traceback: the process died without raising)")
+    else:
+        lines.append(f"  cause: {cause_line(reports, nnodes)}")
+    return "\n".join(lines + _others(reports, first, nnodes))

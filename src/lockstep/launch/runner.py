@@ -1,26 +1,56 @@
 """Start this node's workers through torch.distributed.elastic and report how they ended.
 
-The elastic agent does the real work: c10d rendezvous, spawning one process
-per worker with RANK/WORLD_SIZE/... set, watching them, restarting the group.
-This module builds its `LaunchConfig` from a `RunConfig`, points every worker
-at `lockstep.launch.bootstrap` (so failures are recorded with their traceback),
-and turns the outcome into an exit code and a short summary.
+`run(cfg)` is everything `lockstep run` does on one node: pre-flight checks
+(`preflight`), choice of address and interface (logged, and given to gloo and
+NCCL unless the user chose), the c10d rendezvous (`rendezvous`), the elastic agent
+with whole-group failover (`agent`), and one short summary when it ends badly.
+Workers start as `python -m lockstep.launch.bootstrap`, which records their
+tracebacks and ties their lives to this launcher's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
-import uuid
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, launch_agent
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 
+from lockstep.env import read_socket_ifnames
+from lockstep.errors import LockstepError
+from lockstep.launch import group
+from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
+from lockstep.launch.netif import Route
+from lockstep.launch.preflight import preflight
+from lockstep.launch.rendezvous import NodeInfo, build
 from lockstep.launch.report import summarize
 
 log = logging.getLogger("lockstep.run")
+GRACE_S = 5.0  # how long a node waits for the others' reports after a failure
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _setup_logging(node_rank: int) -> None:
+    # The elastic agent's own loggers set their level per module; lockstep reports instead.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    for handler in log.handlers:
+        handler.setFormatter(logging.Formatter(f"lockstep run [node {node_rank}]: %(message)s"))
 
 
 def _worker_threads(cfg: RunConfig) -> str:
@@ -28,36 +58,130 @@ def _worker_threads(cfg: RunConfig) -> str:
     return str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
 
 
-def _launch_config(cfg: RunConfig) -> LaunchConfig:
-    single = cfg.nnodes == 1
-    return LaunchConfig(
-        min_nodes=cfg.nnodes,
-        max_nodes=cfg.nnodes,
-        nproc_per_node=cfg.nproc_per_node,
-        run_id=cfg.run_id if not single else f"{cfg.run_id}-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{cfg.master_addr}:{cfg.master_port}",
-        rdzv_configs={"timeout": cfg.rdzv_timeout_s, "is_host": cfg.node_rank == 0},
+def _set_worker_env(cfg: RunConfig, route: Route) -> str:
+    """Variables the workers inherit; returns how the interface was chosen, for the log."""
+    os.environ.setdefault("OMP_NUM_THREADS", _worker_threads(cfg))
+    os.environ.update(cfg.extra_env)
+    chosen = read_socket_ifnames()
+    if chosen:
+        return "as set: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
+    if cfg.nnodes == 1 or route.interface is None:
+        return "not set (single node)" if cfg.nnodes == 1 else "unknown: set GLOO_SOCKET_IFNAME"
+    for name in IFNAME_VARIABLES:
+        os.environ[name] = route.interface
+    return f"{route.interface} (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)"
+
+
+def _agent(cfg: RunConfig, me: NodeInfo) -> LockstepAgent:
+    spec = WorkerSpec(
+        role="worker",
+        local_world_size=cfg.nproc_per_node,
+        entrypoint=sys.executable,
+        args=("-u", "-m", "lockstep.launch.bootstrap", "--parent", str(os.getpid()), *cfg.target),
+        rdzv_handler=build(cfg, me),
         max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
-        local_addr=cfg.local_addr or (cfg.master_addr if single else None),
+        local_addr=me.addr,
     )
+    return LockstepAgent(
+        spec,
+        DefaultLogsSpecs(),
+        start_method="spawn",
+        exit_barrier_timeout=cfg.rdzv_timeout_s,
+        shutdown_timeout=cfg.shutdown_timeout_s,
+        grace_s=GRACE_S,
+        silence_s=max(10.0, cfg.rdzv_timeout_s / 4),
+    )
+
+
+def _describe_start(cfg: RunConfig, me: NodeInfo, route: Route, ifname: str) -> None:
+    first = cfg.node_rank * cfg.nproc_per_node
+    log.info(
+        "node %d of %d on %s, address %s, interface %s; master %s:%d; ranks %d-%d of %d",
+        cfg.node_rank, cfg.nnodes, me.host, route.local_addr, ifname,
+        cfg.master_addr, cfg.master_port, first, first + cfg.nproc_per_node - 1, cfg.world_size,
+    )  # fmt: skip
 
 
 def run(cfg: RunConfig) -> int:
     """Launch the workers of one node and wait for them.
 
     Returns:
-        0 when every worker succeeded, 1 when one failed (a summary is on stderr).
+        0 when every worker succeeded; 1 when training failed or a check did not pass
+        (a summary is on stderr); 128 + the signal number when the launcher was stopped.
     """
-    os.environ.setdefault("OMP_NUM_THREADS", _worker_threads(cfg))
-    os.environ.update(cfg.extra_env)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    entry_args = ["-u", "-m", "lockstep.launch.bootstrap", *cfg.target]
+    _setup_logging(cfg.node_rank)
     try:
-        launch_agent(_launch_config(cfg), sys.executable, entry_args)
-    except ChildFailedError as error:
-        print(summarize(error, cfg.node_rank), file=sys.stderr, flush=True)
+        route = preflight(cfg)
+    except LockstepError as error:
+        log.error("%s", error)
         return 1
+    me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
+    _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+    agent = _agent(cfg, me)
+    try:
+        return _supervise(cfg, agent)
+    finally:
+        agent.close()
+        _leave(cfg, agent)
+
+
+def _supervise(cfg: RunConfig, agent: LockstepAgent) -> int:
+    try:
+        result = agent.run()
+    except SignalException as stop:
+        agent.announce_stop(f"its launcher was stopped by {stop.sigval.name}")
+        log.error("stopped by %s; this node's workers were stopped", stop.sigval.name)
+        return 128 + int(stop.sigval)
+    except KeyboardInterrupt:
+        agent.announce_stop("its launcher was interrupted (SIGINT)")
+        return 128 + int(signal.SIGINT)
+    except (LockstepError, RendezvousError) as error:
+        log.error("%s", _rendezvous_message(cfg, agent, error))
+        return 1
+    if result is not None and result.is_failed():
+        print(summarize(agent.reports, cfg.nnodes, cfg.node_rank), file=sys.stderr, flush=True)
+        return 1
+    if agent.restart_count:
+        log.info("finished after %d restart(s)", agent.restart_count)
     return 0
+
+
+def _rendezvous_message(cfg: RunConfig, agent: LockstepAgent, error: Exception) -> str:
+    where = f"{cfg.master_addr}:{cfg.master_port}"
+    if isinstance(error, RendezvousTimeoutError):
+        return (
+            f"the {cfg.nnodes} nodes did not all join the rendezvous at {where} within "
+            f"{cfg.rdzv_timeout_s} s{_last_cause(agent)}. Check that every node runs "
+            f"`lockstep run` with --nnodes {cfg.nnodes} and the same --master-addr and "
+            "--master-port, and read the other nodes' logs."
+        )
+    if isinstance(error, RendezvousClosedError):
+        return (
+            f"the rendezvous at {where} was closed by another node (it gave up or was "
+            f"stopped){_last_cause(agent)}; read the other nodes' logs."
+        )
+    return str(error) or type(error).__name__
+
+
+def _last_cause(agent: LockstepAgent) -> str:
+    nodes = agent.rendezvous.nodes
+    missing = [
+        f"{node} ({nodes[node].host}, {nodes[node].addr})" if node in nodes else str(node)
+        for node in range(agent.rendezvous.nnodes)
+        if node not in agent.reports
+    ]
+    if agent.reports and missing:
+        return f" (after the last failure, node {', '.join(missing)} sent no report)"
+    return ""
+
+
+def _leave(cfg: RunConfig, agent: LockstepAgent) -> None:
+    """Close the rendezvous; node 0, which hosts its store, waits for the others to leave."""
+    if agent.store_lost:
+        return
+    try:
+        group.leave(agent.rendezvous.store, cfg.nnodes, wait_s=GRACE_S if cfg.node_rank == 0 else 0)
+        agent.rendezvous.shutdown()
+    except Exception as error:  # the store may be gone (node 0 left first)
+        log.debug("leaving the rendezvous: %s", error)

@@ -1,0 +1,168 @@
+"""The elastic agent with whole-group failover: one node's failure restarts every node.
+
+`LockstepAgent` is torch.distributed.elastic's `LocalElasticAgent` (spawn, watch,
+stop, rendezvous, restart loop) with one addition in its watch step: after
+checking its own workers it checks the rendezvous store for other nodes' reports
+and for nodes that stopped beating (`lockstep.launch.group`). Any of these ends
+the round on every node: each node stops its workers, posts its report, waits a
+moment for the others' reports, and either restarts into a fresh rendezvous round
+(every node counts the same restart) or, with no restarts left, gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from lockstep.errors import LockstepError
+from lockstep.launch import group
+from lockstep.launch.rendezvous import NodeRankRendezvous
+from lockstep.launch.report import describe, restart_line
+
+log = logging.getLogger("lockstep.run")
+ALIVE_KEY = "lockstep/alive/{node}"
+BEAT_S = 1.0
+
+
+class StoreLostError(LockstepError):
+    """The rendezvous store (hosted by node 0's launcher) stopped answering."""
+
+    def __init__(self, endpoint: str, error: BaseException) -> None:
+        first_line = (str(error).splitlines() or [""])[0]
+        super().__init__(
+            f"lost the rendezvous store at {endpoint}, which node 0's launcher hosts "
+            f"({type(error).__name__}: {first_line}). Node 0 stopped or the network "
+            "between the nodes failed: check node 0's log."
+        )
+
+
+class LockstepAgent(LocalElasticAgent):
+    """A `LocalElasticAgent` that propagates failures to, and learns them from, other nodes.
+
+    Args:
+        *args, **kwargs: as for `LocalElasticAgent` (spec, logs_specs, ...).
+        grace_s: how long a node waits for the other nodes' reports after a failure.
+        silence_s: a node whose heartbeat stalls this long is declared lost.
+    """
+
+    def __init__(self, *args: Any, grace_s: float, silence_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
+        self._grace_s = grace_s
+        self._silence_s = silence_s
+        self._posted = False
+        self.store_lost = False
+        self.reports: dict[int, group.NodeReport] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._stop_beating = threading.Event()
+        threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True).start()
+
+    @property
+    def node_rank(self) -> int:
+        return self.rendezvous.me.node_rank
+
+    @property
+    def restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _beat(self) -> None:
+        key = ALIVE_KEY.format(node=self.node_rank)
+        while not self._stop_beating.wait(BEAT_S):
+            try:
+                self.rendezvous.store.add(key, 1)
+            except dist.DistError:  # the store's host is gone; the watch step reports it
+                return
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (the launcher is about to leave)."""
+        self._stop_beating.set()
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._posted = False
+        self.reports = {}
+        self._beats = {}
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        try:
+            return self._watch_group(worker_group, result)
+        except dist.DistError as error:
+            self.store_lost = True
+            raise StoreLostError(self.rendezvous.endpoint, error) from None
+
+    def _watch_group(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            host = self.rendezvous.me.host
+            failures = [
+                describe(rank, failure, self.node_rank, host)
+                for rank, failure in sorted(result.failures.items())
+            ]
+            self._end_round("workers failed", failures)
+        elif result.state == WorkerState.HEALTHY:
+            cause = self._peer_trouble(worker_group)
+            if cause:
+                self._end_round(cause, [])
+                return RunResult(state=WorkerState.FAILED)
+        return result
+
+    def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
+        """Why this node should stop although its own workers are fine, or None."""
+        if group.reports_posted(worker_group.store) > 0:
+            return "stopped its workers after a failure on another node"
+        lost = self._silent_nodes()
+        if lost:
+            nodes = ", ".join(map(str, lost))
+            return f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s"
+        return None
+
+    def _silent_nodes(self) -> list[int]:
+        now = time.monotonic()
+        silent = []
+        for node in range(self.rendezvous.nnodes):
+            if node == self.node_rank:
+                continue
+            count = int(self.rendezvous.store.add(ALIVE_KEY.format(node=node), 0))
+            last_count, since = self._beats.get(node, (-1, now))
+            if count != last_count:
+                self._beats[node] = (count, now)
+            elif now - since > self._silence_s:
+                silent.append(node)
+        return silent
+
+    def _end_round(
+        self, cause: str, failures: list[group.WorkerFailure], final: bool = False
+    ) -> None:
+        """Stop local workers, post this node's report once, gather everyone's (unless final)."""
+        if self._posted:
+            return
+        self._stop_workers(self._worker_group)
+        me = self.rendezvous.me
+        report = group.NodeReport(me.node_rank, me.host, me.addr, cause, failures, final)
+        store = self._worker_group.store
+        group.post(store, report)
+        self._posted = True
+        grace = 0.0 if final else self._grace_s
+        self.reports = group.gather(store, self.rendezvous.nnodes, grace)
+        if any(r.final for r in self.reports.values()):
+            self._remaining_restarts = 0  # a node that was stopped will not come back
+
+    def announce_stop(self, cause: str) -> None:
+        """Tell the other nodes that this node stops for good (a signal); never raises."""
+        try:
+            if self._worker_group.store is not None:
+                self._end_round(cause, [], final=True)
+        except Exception as error:  # the store may be gone already
+            log.debug("could not announce the stop: %s", error)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        restart = self.restart_count  # the caller has counted this restart already
+        spec = worker_group.spec
+        log.warning(restart_line(self.reports, self.rendezvous.nnodes, restart, spec.max_restarts))
+        super()._restart_workers(worker_group)
