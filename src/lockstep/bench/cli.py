@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.bench import allreduce
+from lockstep.bench import allreduce, collectives
 
-BENCHES = [allreduce]
+BENCHES = [allreduce, collectives]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,9 +28,10 @@ from lockstep.collectives._p2p import (
     workspace_or_new,
 )
 
-SEGMENT_BYTES = 256 * 1024
-"""A reduce-scatter step is sent in segments of this size, so adding segment i overlaps
-the transfer of segment i+1."""
+SEGMENT_BYTES = 4 * 1024 * 1024
+"""A reduce-scatter step is sent in segments of this size, so adding segment i overlaps the
+transfer of segment i+1. Each message costs a fixed overhead; on 2 busy CPU cores over gloo,
+segments under 1 MiB lost more to it than the overlap won (docs/benchmarks.md)."""
 
 
 def ring_reduce_scatter_(
