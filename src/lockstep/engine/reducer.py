@@ -48,6 +48,7 @@ class Reducer:
         self.comm = comm
         self.group = comm.process_group
         self.world_size = dist.get_world_size(self.group)
+        self._inv_world = 1.0 / self.world_size
         self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
@@ -82,7 +83,6 @@ class Reducer:
                     bucket.views[pos].copy_(grad)
                     self.params[i].grad = bucket.views[pos]
         self._marked = [False] * len(self.params)
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
 
     def rebuild_if_needed(self) -> None:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
@@ -120,7 +120,8 @@ class Reducer:
         self._unused_to_mark = unused
         self._forward = (forward_start, forward_end)
         self._marked = [False] * len(self.params)
-        self._used.zero_()
+        self._used = [False] * len(self.params)
+        self._without_grad: list[int] = []
         for bucket in self.buckets:
             bucket.reset()
 
@@ -136,47 +137,43 @@ class Reducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             for unused in self._unused_to_mark:
-                self._mark_ready(unused, used=False)
-        self._mark_ready(index, used=True)
+                self._mark_ready(unused)
+        self._used[index] = True
+        self._mark_ready(index)
 
-    def _mark_ready(self, index: int, used: bool) -> None:
+    def _mark_ready(self, index: int) -> None:
+        """Put the gradient in its slot; launch the bucket if it was the last one missing.
+
+        This is the hot path (once per parameter per step), so it stays flat: the
+        1/N scaling is done once per bucket at launch, not once per gradient.
+        """
         if self._marked[index]:
-            raise LockstepError(
-                f"parameter {self.names[index]!r} became ready twice in one backward on rank "
-                f"{dist.get_rank()}; expected once. This happens with reentrant activation "
-                "checkpointing or a second backward through the same graph: use "
-                "checkpoint(use_reentrant=False), or wrap extra backwards in no_sync()."
-            )
+            raise self._twice_error(index)
         self._marked[index] = True
         if not self._rebuilt:
             self._ready_order.append(index)
-        if used:
-            self._used[index] = 1
-        self._fill_slot(index)
-        bucket = self.slot[index][0]
+        bucket, pos = self.slot[index]
+        view, param = bucket.views[pos], self.params[index]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+            self._without_grad.append(index)
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            if self.grad_as_view:
+                param.grad = view
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.times.ready = time.perf_counter()
             self._launch_ready_buckets()
 
-    def _fill_slot(self, index: int) -> None:
-        """Put this parameter's gradient, scaled by 1/N unless a hook averages, in its slot."""
-        bucket, pos = self.slot[index]
-        view, param = bucket.views[pos], self.params[index]
-        grad = param.grad
-        scale = self.comm_hook is None
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr():
-            if scale:
-                view.div_(self.world_size)
-        else:
-            if scale:
-                torch.mul(grad, 1.0 / self.world_size, out=view)
-            else:
-                view.copy_(grad)
-            if self.grad_as_view:
-                param.grad = view
+    def _twice_error(self, index: int) -> LockstepError:
+        return LockstepError(
+            f"parameter {self.names[index]!r} became ready twice in one backward on rank "
+            f"{dist.get_rank()}; expected once. This happens with reentrant activation "
+            "checkpointing or a second backward through the same graph: use "
+            "checkpoint(use_reentrant=False), or wrap extra backwards in no_sync()."
+        )
 
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self.buckets):
@@ -185,6 +182,8 @@ class Reducer:
                 return
             bucket.times.launched = time.perf_counter()
             if self.comm_hook is None:
+                if self.world_size > 1:  # average as torch DDP does: x (1/N), then sum
+                    bucket.buffer.mul_(self._inv_world)
                 bucket.handle = self.comm.all_reduce(bucket.buffer)
             else:
                 is_last = self._next_bucket == len(self.buckets) - 1
@@ -203,8 +202,9 @@ class Reducer:
         globally_unused = set()
         if self.find_unused:
             # After every bucket is done, so no hook's collective can interleave with it.
-            dist.all_reduce(self._used, group=self.group)
-            globally_unused = {i for i, n in enumerate(self._used.tolist()) if n == 0}
+            used = torch.tensor(self._used, dtype=torch.int32)
+            dist.all_reduce(used, group=self.group)
+            globally_unused = {i for i, n in enumerate(used.tolist()) if n == 0}
         self._write_back(globally_unused)
         self.steps += 1
         self.last_stats = self._stats(backward_end, time.perf_counter())
@@ -222,18 +222,21 @@ class Reducer:
             bucket.times.done = handle.done_at
 
     def _write_back(self, globally_unused: set[int]) -> None:
+        """Leave the averaged gradients in `.grad`; a parameter no rank used keeps its own."""
+        if self.grad_as_view:
+            # Every gradient that reached its slot already points there.
+            for index in self._without_grad:
+                if index not in globally_unused:
+                    self.params[index].grad = self.slot[index][0].views[self.slot[index][1]]
+            return
         for index, param in enumerate(self.params):
             if index in globally_unused:
-                continue  # like torch DDP: a parameter no rank used keeps its .grad untouched
+                continue
             bucket, pos = self.slot[index]
-            view = bucket.views[pos]
-            if self.grad_as_view:
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                    param.grad = view
-            elif param.grad is None:
-                param.grad = view.clone()
+            if param.grad is None:
+                param.grad = bucket.views[pos].clone()
             else:
-                param.grad.copy_(view)
+                param.grad.copy_(bucket.views[pos])
 
     def _unfinished_message(self) -> str:
         missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
