@@ -1,0 +1,196 @@
+"""lockstep's engine against torch DDP, side by side in one process group, on gloo/CPU.
+
+    python benchmarks/engine_vs_torch.py                       # world size 2, all workloads
+    python benchmarks/engine_vs_torch.py --world-sizes 2,4 --reps 6 --steps-per-rep 5
+
+Both engines wrap copies of the same model with the same bucket arguments
+(25 MiB buckets, 1 MiB first bucket, gradients as bucket views) and train in
+alternating phases (A/B then B/A, so drift hits both), one thread per rank.
+Reported per workload: the step-time ratio lockstep/torch (median, min, max over
+repetitions); overlap, (T_after - T) / (T_after - T_nocomm), where T_after is a
+step that all-reduces one flat buffer after backward and T_nocomm a step with no
+communication; bytes each rank really sent per step (/proc/self/io wchar, which
+counts socket writes) against the ring figure 2(N-1)/N x gradient bytes; and
+per-gradient-tensor overhead at world size 1, (T_engine - T_plain) / tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import WORKLOADS, build
+
+import lockstep
+from lockstep.engine.stats import ring_wire_bytes
+from lockstep.testing import run_ranks
+
+
+def _wchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Runner:
+    """One way of training a copy of the workload's model: ours, torch, plain or after."""
+
+    def __init__(self, kind: str, name: str, group: dist.ProcessGroup | None) -> None:
+        self.kind, self.workload = kind, WORKLOADS[name]
+        self.model = build(name)
+        self.group = group
+        if kind == "lockstep":
+            self.model = lockstep.DistributedDataParallel(self.model, process_group=group)
+        elif kind == "torch":
+            self.model = nn.parallel.DistributedDataParallel(
+                self.model, process_group=group, gradient_as_bucket_view=True
+            )
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
+        start, sent = time.perf_counter(), _wchar()
+        self.opt.zero_grad()
+        self.workload.loss(self.model(batch[0]), batch[1]).backward()
+        if self.kind == "after":
+            grads = [p.grad for p in self.model.parameters()]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.group)
+            for grad, value in zip(
+                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+            ):
+                grad.copy_(value)
+        self.opt.step()
+        return time.perf_counter() - start, _wchar() - sent
+
+
+def _phase(runner: Runner, batches: list, steps: int) -> tuple[list[float], list[int]]:
+    dist.barrier()
+    times, sent = [], []
+    for i in range(steps):
+        seconds, nbytes = runner.step(batches[i % len(batches)])
+        times.append(seconds)
+        sent.append(nbytes)
+    return times, sent
+
+
+def _own_group(ctx: lockstep.DistContext) -> dist.ProcessGroup:
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    return groups[ctx.rank]
+
+
+def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> dict:
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    batches = [WORKLOADS[name].batch(gen) for _ in range(4)]
+    solo = _own_group(ctx)
+    runners = {
+        "lockstep": Runner("lockstep", name, None),
+        "torch": Runner("torch", name, None),
+        "plain": Runner("plain", name, None),
+        "after": Runner("after", name, None),
+        "lockstep_ws1": Runner("lockstep", name, solo),
+        "torch_ws1": Runner("torch", name, solo),
+    }
+    times: dict[str, list[list[float]]] = {k: [] for k in runners}
+    sent: dict[str, list[int]] = {k: [] for k in runners}
+    for runner in runners.values():
+        _phase(runner, batches, args.warmup)
+    order = list(runners)
+    for rep in range(args.reps):
+        for kind in order if rep % 2 == 0 else order[::-1]:
+            t, s = _phase(runners[kind], batches, args.steps_per_rep)
+            times[kind].append(t)
+            sent[kind].extend(s)
+    params = list(runners["plain"].model.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    return {"times": times, "sent": sent, "grad_bytes": grad_bytes, "tensors": len(params)}
+
+
+def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    return {name: _measure(ctx, name, args) for name in args.workloads}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def summarize(raw: dict, world: int) -> dict:
+    """Turn rank 0's raw timings into the reported figures."""
+    times = raw["times"]
+    med = {k: _median([t for rep in v for t in rep]) for k, v in times.items()}
+    ratios = [
+        _median(a) / _median(b) for a, b in zip(times["lockstep"], times["torch"], strict=True)
+    ]
+    span = med["after"] - med["plain"]
+    overlap = {
+        k: (med["after"] - med[k]) / span if span > 0 else float("nan")
+        for k in ("lockstep", "torch")
+    }
+    return {
+        "world_size": world,
+        "ratio_median": _median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ms": {k: 1e3 * v for k, v in med.items()},
+        "overlap": overlap,
+        "sent_per_step": {k: _median(raw["sent"][k]) for k in ("lockstep", "torch")},
+        "ring_bytes": ring_wire_bytes(raw["grad_bytes"], world),
+        "us_per_tensor": {
+            k: 1e6 * (med[f"{k}_ws1"] - med["plain"]) / raw["tensors"]
+            for k in ("lockstep", "torch")
+        },
+    }
+
+
+def table(rows: dict) -> str:
+    lines = [
+        "| workload | N | ratio median (min-max) | ms/step lockstep / torch / no comm / after bwd"
+        " | overlap lockstep / torch | MB sent/step lockstep / torch / ring | us/tensor lockstep"
+        " / torch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (name, world), r in rows.items():
+        ms, ov, sent = r["ms"], r["overlap"], r["sent_per_step"]
+        lines.append(
+            f"| {name} | {world} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-"
+            f"{r['ratio_max']:.3f}) | {ms['lockstep']:.1f} / {ms['torch']:.1f} / "
+            f"{ms['plain']:.1f} / {ms['after']:.1f} | {ov['lockstep']:.0%} / {ov['torch']:.0%} | "
+            f"{sent['lockstep'] / 1e6:.2f} / {sent['torch'] / 1e6:.2f} / "
+            f"{r['ring_bytes'] / 1e6:.2f} | {r['us_per_tensor']['lockstep']:.1f} / "
+            f"{r['us_per_tensor']['torch']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="2")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--steps-per-rep", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    args.workloads = args.workloads.split(",")
+    rows = {}
+    for world in map(int, args.world_sizes.split(",")):
+        results = run_ranks(rank_main, world, args, deadline_s=3600, timeout_s=600)
+        for name in args.workloads:
+            rows[(name, world)] = summarize(results[0][name], world)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({f"{n}@{w}": r for (n, w), r in rows.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
