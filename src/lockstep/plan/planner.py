@@ -40,7 +40,8 @@ class PlanConfig:
         nodes: nodes they sit on (gpus must divide evenly).
         gpu_memory_bytes: memory of one GPU.
         weights_dtype: storage type of the weights.
-        grads_dtype: type of the gradients, hence of the all-reduce payload.
+        grads_dtype: type of the gradients, hence of the all-reduce payload; None: the
+            weights' type.
         optimizer: optimizer, by the state it keeps.
         optimizer_dtype: type of its state tensors.
         optimizer_bytes: override of the optimizer bytes per trainable parameter.
@@ -58,7 +59,7 @@ class PlanConfig:
     nodes: int = 1
     gpu_memory_bytes: int = 80 * 10**9
     weights_dtype: DType = DType.BF16
-    grads_dtype: DType = DType.BF16
+    grads_dtype: DType | None = None
     optimizer: Optimizer = Optimizer.ADAM_MIXED
     optimizer_dtype: DType = DType.FP32
     optimizer_bytes: float | None = None
@@ -70,6 +71,8 @@ class PlanConfig:
     bucket_cap_bytes: int = BUCKET_BYTES
 
     def __post_init__(self) -> None:
+        if self.grads_dtype is None:
+            object.__setattr__(self, "grads_dtype", self.weights_dtype)
         for name in ("gpus", "nodes", "batch_size", "grad_accum", "gpu_memory_bytes"):
             value = getattr(self, name)
             if value < 1:
