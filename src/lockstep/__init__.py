@@ -6,6 +6,7 @@ from lockstep.data import ShardedSampler, shard
 from lockstep.engine.ddp import DDP, DistributedDataParallel
 from lockstep.engine.naive import NaiveDataParallel
 from lockstep.errors import LockstepError
+from lockstep.observe.monitor import Monitor
 
 __all__ = [
     "DDP",
@@ -13,6 +14,7 @@ __all__ = [
     "DistContext",
     "DistributedDataParallel",
     "LockstepError",
+    "Monitor",
     "NaiveDataParallel",
     "ShardedSampler",
     "init",

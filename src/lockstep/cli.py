@@ -12,9 +12,10 @@ import sys
 
 from lockstep.bench import cli as bench_cli
 from lockstep.launch import cli as run_cli
+from lockstep.observe import cli as trace_cli
 from lockstep.plan import cli as plan_cli
 
-SUBCOMMANDS = [run_cli, plan_cli, bench_cli]
+SUBCOMMANDS = [run_cli, plan_cli, bench_cli, trace_cli]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 TIMEOUT_VARIABLE = "LOCKSTEP_TIMEOUT_S"
+TRACE_VARIABLE = "LOCKSTEP_TRACE"
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,12 @@ def read_timeout(env: Mapping[str, str] | None = None) -> timedelta:
     if seconds <= 0:
         _bad(TIMEOUT_VARIABLE, seconds, "a positive number of seconds")
     return timedelta(seconds=seconds)
+
+
+def read_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """Directory for Chrome trace files named by LOCKSTEP_TRACE, or None when unset or empty."""
+    env = os.environ if env is None else env
+    return env.get(TRACE_VARIABLE) or None
 
 
 def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | int] | None:

@@ -1,0 +1,33 @@
+"""See inside a run: per-step metrics, rank-0 logging, Chrome traces, straggler reports.
+
+`Monitor` is the one object a training loop needs; the rest are its parts, usable
+alone: `measure`/`summarize` (metrics), `TraceRecorder`/`merge_traces` (trace),
+`StragglerWatch`/`analyze` (straggler), `plot_timeline`/`plot_loss` (pictures) and
+`check_replicas` (are all replicas still identical).
+"""
+
+from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summarize
+from lockstep.observe.monitor import Monitor
+from lockstep.observe.plot import plot_loss, plot_timeline
+from lockstep.observe.replicas import ReplicaCheck, check_replicas, parameter_checksum
+from lockstep.observe.straggler import StragglerReport, StragglerWatch, analyze
+from lockstep.observe.trace import TraceRecorder, load_events, merge_traces
+
+__all__ = [
+    "IntervalSummary",
+    "Monitor",
+    "ReplicaCheck",
+    "StepMetrics",
+    "StragglerReport",
+    "StragglerWatch",
+    "TraceRecorder",
+    "analyze",
+    "check_replicas",
+    "load_events",
+    "measure",
+    "merge_traces",
+    "parameter_checksum",
+    "plot_loss",
+    "plot_timeline",
+    "summarize",
+]
