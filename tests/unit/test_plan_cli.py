@@ -54,7 +54,10 @@ def _error(capsys, *args: str) -> str:
         (["--model", "7B", "--link", "carrier-pigeon"], r"--link: unknown link .*nvlink"),
         (["--model", "7B", "--link", "0GB/s"], r"--link must be positive"),
         (["--model", "7B", "--weights-dtype", "fp7"], r"--weights-dtype expects one of fp32"),
-        (["--model", "7B", "--optimizer", "lion"], r"--optimizer expects one of adam-mixed"),
+        (
+            ["--model", "7B", "--optimizer", "lion"],
+            r"--optimizer expects one of adam, momentum, sgd",
+        ),
         (["--model", "7B", "--lora-rank", "8"], r"--lora-rank needs the model's layer shapes"),
         (["--model", "gpt2", "--lora-rank", "0"], r"--lora-rank must be a positive integer"),
         (["--model", "7B", "--trainable", "0%"], r"--trainable share must be in"),

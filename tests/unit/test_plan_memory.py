@@ -107,11 +107,19 @@ def test_sharding_rules_per_strategy():
 
 
 def test_optimizer_bytes_per_param():
-    assert Optimizer.ADAM_MIXED.bytes_per_param(DType.FP32) == 12
-    assert Optimizer.ADAM.bytes_per_param(DType.FP32) == 8
-    assert Optimizer.ADAM.bytes_per_param(DType.BF16) == 4
-    assert Optimizer.MOMENTUM.bytes_per_param(DType.FP32) == 4
-    assert Optimizer.SGD.bytes_per_param(DType.FP32) == 0
+    assert Optimizer.ADAM.bytes_per_param(DType.FP32, master_copy=True) == 12
+    assert Optimizer.ADAM.bytes_per_param(DType.FP32, master_copy=False) == 8
+    assert Optimizer.ADAM.bytes_per_param(DType.BF16, master_copy=False) == 4
+    assert Optimizer.MOMENTUM.bytes_per_param(DType.FP32, master_copy=False) == 4
+    assert Optimizer.SGD.bytes_per_param(DType.FP32, master_copy=True) == 4
+
+
+def test_master_copy_only_with_narrow_weights(capsys):
+    # fp32 Adam: 4 + 4 + 8 = 16 bytes; bf16 mixed precision: 2 + 2 + (4 + 8) = 16 bytes.
+    fp32 = _plan_json(capsys, "--model", "1B", "--weights-dtype", "fp32")
+    bf16 = _plan_json(capsys, "--model", "1B")
+    assert fp32["bytes_per_param"] == {"weights": 4, "grads": 4, "optimizer": 8}
+    assert bf16["bytes_per_param"] == {"weights": 2, "grads": 2, "optimizer": 12}
 
 
 def test_fits_compares_total_with_gpu_memory_and_batch_is_multiplied():

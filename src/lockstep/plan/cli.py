@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--gpu-memory", default="80GB", help="memory of one GPU, with a unit (default 80GB)")
     add("--weights-dtype", default="bf16", help=f"{DTYPES} (default bf16)")
     add("--grads-dtype", default=None, help=f"{DTYPES} (default: the weights' dtype)")
-    add("--optimizer", default="adam-mixed", help=_optimizer_help())
+    add("--optimizer", default="adam", help=_optimizer_help())
     add("--optimizer-dtype", default="fp32", help=f"dtype of optimizer state: {DTYPES}")
     add("--optimizer-bytes", type=float, default=None, help="override: bytes per parameter")
     add("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank only")
@@ -61,7 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _optimizer_help() -> str:
     names = ", ".join(o.label for o in Optimizer)
-    return f"{names} (default adam-mixed: fp32 master weights, momentum and variance)"
+    return (
+        f"{names} (default adam: momentum and variance; with fp16/bf16 weights an fp32 "
+        "master copy is counted too, 12 bytes per parameter in all)"
+    )
 
 
 def _trainable(ns: argparse.Namespace, model: ModelShape) -> Trainable:

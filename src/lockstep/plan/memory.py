@@ -4,7 +4,8 @@ The accounting of the ZeRO paper (Rajbhandari et al., 2020, section 3): with Ψ
 parameters, weights take Ψ x weight bytes, gradients T x gradient bytes and the
 optimizer T x K bytes, where T is the trainable count (T = Ψ for a full fine-tune)
 and K the optimizer bytes per parameter (12 for mixed-precision Adam: fp32 master
-weights, momentum and variance). DDP replicates all three on each of N GPUs;
+weights, momentum and variance; the master copy is counted whenever the weights are
+narrower than fp32). DDP replicates all three on each of N GPUs;
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 (FSDP's full
 sharding) also the weights. Activations and temporary buffers are not included.
 """
@@ -43,24 +44,29 @@ class Strategy(Enum):
 
 
 class Optimizer(Enum):
-    """Optimizers by the state they keep per trainable parameter.
+    """Optimizers by the number of state tensors they keep per trainable parameter."""
 
-    Value: (name, state tensors per parameter, keeps an fp32 master copy of the weights).
-    """
-
-    ADAM_MIXED = ("adam-mixed", 2, True)
-    ADAM = ("adam", 2, False)
-    MOMENTUM = ("momentum", 1, False)
-    SGD = ("sgd", 0, False)
+    ADAM = ("adam", 2)
+    MOMENTUM = ("momentum", 1)
+    SGD = ("sgd", 0)
 
     @property
     def label(self) -> str:
         return self.value[0]
 
-    def bytes_per_param(self, state_dtype: DType) -> int:
-        """Optimizer bytes per trainable parameter: states, plus 4 for an fp32 master copy."""
-        _, states, master = self.value
-        return states * state_dtype.nbytes + (4 if master else 0)
+    @property
+    def states(self) -> int:
+        return self.value[1]
+
+    def bytes_per_param(self, state_dtype: DType, master_copy: bool) -> int:
+        """Optimizer bytes per trainable parameter.
+
+        Args:
+            state_dtype: type of the state tensors.
+            master_copy: count an fp32 copy of the weights, as mixed-precision training
+                keeps when the weights themselves are fp16 or bf16.
+        """
+        return self.states * state_dtype.nbytes + (4 if master_copy else 0)
 
 
 def parse_optimizer(text: str, arg: str) -> Optimizer:

@@ -42,7 +42,8 @@ class PlanConfig:
         weights_dtype: storage type of the weights.
         grads_dtype: type of the gradients, hence of the all-reduce payload; None: the
             weights' type.
-        optimizer: optimizer, by the state it keeps.
+        optimizer: optimizer, by the state it keeps (plus an fp32 master copy of the
+            weights when they are fp16 or bf16).
         optimizer_dtype: type of its state tensors.
         optimizer_bytes: override of the optimizer bytes per trainable parameter.
         batch_size: samples per GPU per micro-step.
@@ -60,7 +61,7 @@ class PlanConfig:
     gpu_memory_bytes: int = 80 * 10**9
     weights_dtype: DType = DType.BF16
     grads_dtype: DType | None = None
-    optimizer: Optimizer = Optimizer.ADAM_MIXED
+    optimizer: Optimizer = Optimizer.ADAM
     optimizer_dtype: DType = DType.FP32
     optimizer_bytes: float | None = None
     batch_size: int = 1
@@ -96,7 +97,12 @@ class PlanConfig:
     def optimizer_bytes_per_param(self) -> float:
         if self.optimizer_bytes is not None:
             return self.optimizer_bytes
-        return self.optimizer.bytes_per_param(self.optimizer_dtype)
+        return self.optimizer.bytes_per_param(self.optimizer_dtype, self.master_copy)
+
+    @property
+    def master_copy(self) -> bool:
+        """Mixed precision: weights narrower than fp32 come with an fp32 master copy."""
+        return self.weights_dtype.nbytes < DType.FP32.nbytes
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,9 @@ def _optimizer_label(plan: Plan) -> str:
     cfg = plan.config
     if cfg.optimizer_bytes is not None:
         return "given"
-    return f"{cfg.optimizer.label}, {cfg.optimizer_dtype.label} state"
+    opt = cfg.optimizer
+    master = " + fp32 master weights" if cfg.master_copy else ""
+    return f"{opt.label}: {opt.states} {cfg.optimizer_dtype.label} state(s){master}"
 
 
 def _memory_table(plan: Plan) -> list[str]:
