@@ -86,6 +86,15 @@ def test_fit_recovers_latency_and_bus_bandwidth_from_an_exact_sweep():
     assert fit_latency_bandwidth([]) is None
 
 
+def test_fit_shrugs_off_a_slow_small_size():
+    exact = _bench_doc(2, 500e-6, 0.5e9)["rows"]
+    rows = [make_row(r["size_bytes"], 4, "fp32", r["time_us"] * 1e-6, 2, 0) for r in exact]
+    rows[1] = make_row(rows[1].size_bytes, 4, "fp32", 10 * rows[1].time_us * 1e-6, 2, 0)
+    latency, slope = fit_latency_bandwidth(rows)
+    assert latency == pytest.approx(500e-6, rel=0.05)
+    assert 1 / slope == pytest.approx(0.5e9, rel=0.05)
+
+
 def test_plan_reads_the_bench_json_and_predicts_with_both_fit_terms(tmp_path):
     path = tmp_path / "bw.json"
     path.write_text(json.dumps(_bench_doc(2, 40e-6, 1e9)))

@@ -9,6 +9,7 @@ t(s) = latency + s / rate over the whole sweep is what `lockstep plan` reads.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -70,9 +71,11 @@ def make_row(
 
 
 def fit_latency_bandwidth(rows: Sequence[Row]) -> tuple[float, float] | None:
-    """Fit t = a + s x c to the sweep, weighting each point by 1/t^2 (relative error).
+    """Fit t = a + s x c to the sweep: the slope from least squares, the latency robustly.
 
-    Relative weights let the small sizes set the latency and the large ones the rate.
+    Plain least squares lets the large sizes, where time is mostly bytes over
+    bandwidth, set the slope c. The latency a is then the median over all sizes of
+    t - s x c, so one noisy small size cannot drag it below zero or far up.
 
     Returns:
         (latency a in seconds, seconds per byte c), or None with fewer than two sizes
@@ -80,20 +83,16 @@ def fit_latency_bandwidth(rows: Sequence[Row]) -> tuple[float, float] | None:
     """
     if len(rows) < 2:
         return None
-    points = [(r.size_bytes, r.time_us * 1e-6) for r in rows]
-    w = [1 / t**2 for _, t in points]
-    sw = sum(w)
-    ms = sum(wi * s for wi, (s, _) in zip(w, points, strict=True)) / sw
-    mt = sum(wi * t for wi, (_, t) in zip(w, points, strict=True)) / sw
-    var = sum(wi * (s - ms) ** 2 for wi, (s, _) in zip(w, points, strict=True))
-    cov = sum(wi * (s - ms) * (t - mt) for wi, (s, t) in zip(w, points, strict=True))
+    sizes = [float(r.size_bytes) for r in rows]
+    times = [r.time_us * 1e-6 for r in rows]
+    mean_s, mean_t = statistics.fmean(sizes), statistics.fmean(times)
+    var = sum((x - mean_s) ** 2 for x in sizes)
+    cov = sum((x - mean_s) * (t - mean_t) for x, t in zip(sizes, times, strict=True))
     slope = cov / var if var > 0 else 0.0
-    latency = mt - slope * ms
-    if latency < 0:  # noise: refit through the origin
-        latency = 0.0
-        den = sum(wi * s * s for wi, (s, _) in zip(w, points, strict=True))
-        slope = sum(wi * s * t for wi, (s, t) in zip(w, points, strict=True)) / den
-    return (latency, slope) if slope > 0 else None
+    if slope <= 0:
+        return None
+    latency = statistics.median(t - slope * x for x, t in zip(sizes, times, strict=True))
+    return max(0.0, latency), slope
 
 
 def result_json(rows: Sequence[Row], world_size: int, meta: dict[str, Any]) -> dict[str, Any]:
