@@ -87,9 +87,10 @@ def test_fit_recovers_latency_and_bus_bandwidth_from_an_exact_sweep():
 
 
 def test_fit_shrugs_off_a_slow_small_size():
-    exact = _bench_doc(2, 500e-6, 0.5e9)["rows"]
-    rows = [make_row(r["size_bytes"], 4, "fp32", r["time_us"] * 1e-6, 2, 0) for r in exact]
-    rows[1] = make_row(rows[1].size_bytes, 4, "fp32", 10 * rows[1].time_us * 1e-6, 2, 0)
+    # A sweep like the default one (4 KiB to 64 MiB, factor 2), one small size 10x slow.
+    sizes = [4096 * 2**k for k in range(15)]
+    rows = [make_row(s, 4, "fp32", 500e-6 + s / 0.5e9, 2, 0) for s in sizes]
+    rows[1] = make_row(sizes[1], 4, "fp32", 10 * rows[1].time_us * 1e-6, 2, 0)
     latency, slope = fit_latency_bandwidth(rows)
     assert latency == pytest.approx(500e-6, rel=0.05)
     assert 1 / slope == pytest.approx(0.5e9, rel=0.05)
