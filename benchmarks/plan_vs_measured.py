@@ -1,29 +1,27 @@
 """The planner's predicted all-reduce time per step against the time the engine really spends.
 
     python benchmarks/plan_vs_measured.py                      # world size 2, gloo/CPU
-    python benchmarks/plan_vs_measured.py --steps 30 --bandwidth-from bw.json
+    python benchmarks/plan_vs_measured.py --reps 8 --steps 10
+    python benchmarks/plan_vs_measured.py --bandwidth-from bw.json   # a saved bench result
 
-1. Measure: `lockstep bench allreduce --nproc-per-node N --json` (launched like
-   training), unless --bandwidth-from names a saved result. The sweep's fit gives a
-   bus bandwidth and a latency.
-2. Predict: each workload's model is counted on the meta device and planned at
-   world size N with that measured link: the sum over DDP's buckets of
-   2(N-1) x hop latency + 2(N-1)/N x bucket / busbw.
-3. Measure the engine: train each workload under lockstep.DistributedDataParallel at
-   world size N and read `ddp.stats.comm_seconds` (launch-to-done of every bucket's
-   all-reduce, summed) after every step; the median over steps, averaged over ranks.
+In one job of N ranks, repeated `--reps` times, interleaved so that drifting load
+on the machine hits both sides alike:
+1. Measure the engine: train each workload under lockstep.DistributedDataParallel
+   and read `ddp.stats` after every step: `comm_seconds` (launch-to-done of every
+   bucket's all-reduce, summed), and each bucket's launch and completion times.
+2. Measure the link: the all-reduce sweep of `lockstep bench allreduce` (its own
+   code, in the same ranks), fitted to a bus bandwidth and a latency.
+3. Predict: the workload's model, counted on the meta device, planned at world size
+   N on that measured link: the sum over DDP's buckets of 2(N-1) x hop latency +
+   2(N-1)/N x bucket / busbw. Compare per repetition; report the median ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,43 +30,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
 
 import lockstep
+from lockstep.bench.allreduce_worker import SweepOptions, run_sweep
+from lockstep.bench.sweep import result_json, sweep_sizes
 from lockstep.plan import PlanConfig, count_module, full_trainable, make_plan
-from lockstep.plan.links import read_measured
+from lockstep.plan.links import Link, measured_from_doc, read_measured
 from lockstep.plan.units import DType
 from lockstep.testing import run_ranks
 
-
-def measure_bandwidth(world: int, path: Path, max_bytes: str) -> None:
-    """Run the all-reduce bench through lockstep's launcher; it writes `path`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "lockstep.cli",
-        "bench",
-        "allreduce",
-        "--nproc-per-node",
-        str(world),
-        "--min-bytes",
-        "4KiB",
-        "--max-bytes",
-        max_bytes,
-        "--iters",
-        "10",
-        "--json",
-        str(path),
-    ]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        code = proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    if code != 0:
-        raise SystemExit(f"the bench failed with exit code {code}")
+SWEEP = SweepOptions(tuple(sweep_sizes(4096, 64 * 2**20, 2, 4)), "fp32", iters=5, warmup=1)
 
 
-def predict(name: str, world: int, link) -> tuple[float, int, int]:
+def predict(name: str, world: int, link: Link) -> tuple[float, int, int]:
     """(predicted seconds per step, payload bytes, bucket count) from the planner."""
     with torch.device("meta"):
         shape = count_module(WORKLOADS[name].factory(), name)
@@ -80,33 +52,39 @@ def predict(name: str, world: int, link) -> tuple[float, int, int]:
     return row.seconds_fast, plan.payload_bytes, len(plan.buckets)
 
 
-def rank_main(ctx: lockstep.DistContext, names: list[str], steps: int, warmup: int) -> dict:
-    out = {}
+def _train(ctx, ddp, opt, name: str, gen: torch.Generator, steps: int) -> dict:
+    workload, comm, spans = WORKLOADS[name], [], []
+    for _ in range(steps):
+        inputs, targets = workload.batch(gen)
+        workload.loss(ddp(inputs), targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats = ddp.stats
+        comm.append(stats.comm_seconds)
+        # perf_counter is CLOCK_MONOTONIC: comparable across processes on one machine
+        spans.append([(stats.start + b.launched, stats.start + b.done) for b in stats.buckets])
+    return {"comm_s": comm, "spans": spans, "buckets": len(stats.buckets)}
+
+
+def rank_main(ctx: lockstep.DistContext, names: list[str], args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    runs = {}
     for name in names:
-        workload = WORKLOADS[name]
         ddp = lockstep.DistributedDataParallel(build(name))
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(100 + ctx.rank)
-        comm, spans = [], []
-        for step in range(warmup + steps):
-            inputs, targets = workload.batch(gen)
-            workload.loss(ddp(inputs), targets).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step >= warmup:
-                stats = ddp.stats
-                comm.append(stats.comm_seconds)
-                # perf_counter is CLOCK_MONOTONIC: comparable across processes on one machine
-                spans.append(
-                    [(stats.start + b.launched, stats.start + b.done) for b in stats.buckets]
-                )
-        out[name] = {
-            "comm_s": comm,
-            "spans": spans,
-            "payload_bytes": ddp.stats.payload_bytes,
-            "buckets": len(ddp.stats.buckets),
+        _train(ctx, ddp, opt, name, gen, args.warmup)
+        runs[name] = (ddp, opt, gen)
+    reps = []
+    for _ in range(args.reps):
+        rep = {
+            name: _train(ctx, *runs[name][:2], name, runs[name][2], args.steps) for name in names
         }
-    return out
+        if args.bandwidth_from is None:
+            rep["sweep"] = result_json(run_sweep(ctx, SWEEP), ctx.world_size, {})
+        reps.append(rep)
+    payloads = {name: runs[name][0].payload_bytes for name in names}
+    return {"reps": reps, "payload_bytes": payloads}
 
 
 def busy_seconds(per_rank_spans: list[list[tuple[float, float]]]) -> float:
@@ -124,29 +102,52 @@ def busy_seconds(per_rank_spans: list[list[tuple[float, float]]]) -> float:
     return total
 
 
-def measured(results: list[dict], name: str) -> tuple[float, float]:
-    """(engine comm_seconds, median over steps and mean over ranks; busy time, median)."""
-    comm = statistics.mean(statistics.median(r[name]["comm_s"]) for r in results)
-    steps = zip(*(r[name]["spans"] for r in results), strict=True)
-    busy = statistics.median(busy_seconds(list(step)) for step in steps)
-    return comm, busy
+def summarize(results: list[dict], name: str, world: int, fixed: Link | None) -> dict:
+    """Per repetition: prediction from that repetition's sweep against the engine's figures."""
+    predicted, comm, busy, ratios = [], [], [], []
+    for i, rep0 in enumerate(results[0]["reps"]):
+        link = fixed or measured_from_doc(rep0["sweep"], "sweep")
+        seconds, payload, plan_buckets = predict(name, world, link)
+        c = statistics.mean(statistics.median(r["reps"][i][name]["comm_s"]) for r in results)
+        steps = zip(*(r["reps"][i][name]["spans"] for r in results), strict=True)
+        b = statistics.median(busy_seconds(list(step)) for step in steps)
+        predicted.append(seconds)
+        comm.append(c)
+        busy.append(b)
+        ratios.append((c / seconds, b / seconds, link.low_bps))
+    assert results[0]["payload_bytes"][name] == payload, "planner and engine payloads differ"
+    return {
+        "name": name,
+        "payload_bytes": payload,
+        "buckets": f"{plan_buckets} / {results[0]['reps'][0][name]['buckets']}",
+        "busbw_GBps": statistics.median(r[2] for r in ratios) / 1e9,
+        "predicted_ms": 1e3 * statistics.median(predicted),
+        "comm_ms": 1e3 * statistics.median(comm),
+        "busy_ms": 1e3 * statistics.median(busy),
+        "comm_ratio": [statistics.median(r[0] for r in ratios), *_range(r[0] for r in ratios)],
+        "busy_ratio": [statistics.median(r[1] for r in ratios), *_range(r[1] for r in ratios)],
+    }
 
 
-def table(rows: list[dict], link, world: int) -> str:
+def _range(values) -> tuple[float, float]:
+    values = list(values)
+    return min(values), max(values)
+
+
+def table(rows: list[dict]) -> str:
     lines = [
-        f"measured link: busbw {link.low_bps / 1e9:.3f} GB/s, {link.hop_latency_s * 1e6:.0f} us "
-        f"per ring hop (fitted over the sweep); world size {world}",
-        "",
-        "| workload | payload (MB) | buckets plan / engine | predicted (ms) | engine comm_seconds"
-        " (ms) | ratio | all-reduce busy after last launch (ms) | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | payload (MB) | buckets plan / engine | busbw (GB/s) | predicted (ms) "
+        "| engine comm_seconds (ms) | ratio median (min-max) | busy after last launch (ms) "
+        "| ratio median (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pred = r["predicted_s"]
+        cr, br = r["comm_ratio"], r["busy_ratio"]
         lines.append(
-            f"| {r['name']} | {r['payload_bytes'] / 1e6:.2f} | {r['plan_buckets']} / "
-            f"{r['engine_buckets']} | {1e3 * pred:.2f} | {1e3 * r['comm_s']:.2f} | "
-            f"{r['comm_s'] / pred:.2f} | {1e3 * r['busy_s']:.2f} | {r['busy_s'] / pred:.2f} |"
+            f"| {r['name']} | {r['payload_bytes'] / 1e6:.2f} | {r['buckets']} | "
+            f"{r['busbw_GBps']:.3f} | {r['predicted_ms']:.2f} | {r['comm_ms']:.2f} | "
+            f"{cr[0]:.2f} ({cr[1]:.2f}-{cr[2]:.2f}) | {r['busy_ms']:.2f} | "
+            f"{br[0]:.2f} ({br[1]:.2f}-{br[2]:.2f}) |"
         )
     return "\n".join(lines)
 
@@ -155,38 +156,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    parser.add_argument("--steps", type=int, default=10, help="engine steps per repetition")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bandwidth-from", type=Path, default=None)
-    parser.add_argument("--max-bytes", default="64MiB", help="largest size of the bench sweep")
+    parser.add_argument("--bandwidth-from", default=None, help="use this bench result instead")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     names = args.workloads.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.bandwidth_from or Path(tmp) / "bw.json"
-        if args.bandwidth_from is None:
-            measure_bandwidth(args.world_size, path, args.max_bytes)
-        link = read_measured(str(path))
-    results = run_ranks(
-        rank_main, args.world_size, names, args.steps, args.warmup, deadline_s=1800, timeout_s=300
-    )
-    rows = []
-    for name in names:
-        predicted, payload, plan_buckets = predict(name, args.world_size, link)
-        assert results[0][name]["payload_bytes"] == payload, "planner and engine payloads differ"
-        comm, busy = measured(results, name)
-        rows.append(
-            {
-                "name": name,
-                "payload_bytes": payload,
-                "plan_buckets": plan_buckets,
-                "engine_buckets": results[0][name]["buckets"],
-                "predicted_s": predicted,
-                "comm_s": comm,
-                "busy_s": busy,
-            }
-        )
-    print(table(rows, link, args.world_size))
+    fixed = read_measured(args.bandwidth_from) if args.bandwidth_from else None
+    results = run_ranks(rank_main, args.world_size, names, args, deadline_s=3600, timeout_s=300)
+    rows = [summarize(results, name, args.world_size, fixed) for name in names]
+    print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -107,12 +107,22 @@ def read_measured(path: str) -> Link:
             f"{arg}: cannot read {path!r} ({error}); expected the file written by "
             "`lockstep bench allreduce --json FILE`"
         ) from None
+    return measured_from_doc(data, path)
+
+
+def measured_from_doc(data: object, path: str = "<result>") -> Link:
+    """The measured link in a bench result already loaded from JSON (see `read_measured`).
+
+    Raises:
+        ValueError: not such a result, or measured on one rank.
+    """
+    arg = "--bandwidth-from"
     if not isinstance(data, dict) or data.get("format") != BENCH_FORMAT:
         raise ValueError(
             f"{arg}: {path!r} is not a `lockstep bench allreduce --json` result "
             f'(expected "format": "{BENCH_FORMAT}")'
         )
-    if data.get("world_size", 0) < 2:
+    if not isinstance(data.get("world_size"), int) or data["world_size"] < 2:
         raise ValueError(
             f"{arg}: {path!r} was measured at world size {data.get('world_size')}: no data "
             "crossed a link. Run the bench with --nproc-per-node 2 or more"
