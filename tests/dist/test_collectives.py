@@ -68,13 +68,21 @@ def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
     return torch.equal(first, tensor)
 
 
-def _within_bound(result: torch.Tensor, x: torch.Tensor, world_size: int) -> bool:
-    """|result - exact| <= N * eps * sum|x|: N-1 roundings of at most eps/2 each, 2x slack."""
+def _bound(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact sum (float64) and the allowed error |r - exact| <= N * eps * sum|x|.
+
+    N-1 additions, each rounded by at most eps/2 of a partial sum no larger than
+    sum|x|: the bound is twice that.
+    """
     exact = _native_sum(x.double())
     scale = _native_sum(x.double().abs())
-    eps = torch.finfo(x.dtype).eps
-    bound = world_size * eps * scale + torch.finfo(x.dtype).tiny
-    return bool(((result.double() - exact).abs() <= bound).all())
+    world_size = dist.get_world_size()
+    return exact, world_size * torch.finfo(x.dtype).eps * scale + torch.finfo(x.dtype).tiny
+
+
+def _within_bound(result: torch.Tensor, x: torch.Tensor, bound=None) -> bool:
+    exact, allowed = bound if bound is not None else _bound(x)
+    return bool(((result.double() - exact).abs() <= allowed).all())
 
 
 def _check_all_reduces(ctx) -> list[str]:
@@ -93,10 +101,12 @@ def _check_all_reduces(ctx) -> list[str]:
             exact = integer or ctx.world_size <= 2
             if exact and not torch.equal(ours, native):
                 fails.append(f"{label}: differs from native, max {(ours - native).abs().max()}")
-            if not integer and not _within_bound(ours, x, ctx.world_size):
-                fails.append(f"{label}: outside the rounding bound")
-            if not integer and not _within_bound(native, x, ctx.world_size):
-                fails.append(f"{label}: native outside the bound (bound too tight)")
+            if not integer:
+                bound = _bound(x)
+                if not _within_bound(ours, x, bound):
+                    fails.append(f"{label}: outside the rounding bound")
+                if not _within_bound(native, x, bound):
+                    fails.append(f"{label}: native outside the bound (bound too tight)")
     return fails
 
 

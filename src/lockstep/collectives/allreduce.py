@@ -99,8 +99,8 @@ def all_reduce_ring(
     """Ring reduce-scatter, then ring all-gather, on near-equal chunks of the flat tensor.
 
     Args: as `all_reduce_naive`, and
-        segment_bytes: reduce-scatter messages are cut to this size, so that combining
-            one segment overlaps the transfer of the next.
+        segment_bytes: messages are cut to this size, so that combining one segment
+            overlaps the transfer of the next, and both directions of a link stay busy.
 
     Raises:
         ValueError: the tensor is not dense and contiguous, or the op is not supported.
@@ -113,7 +113,7 @@ def all_reduce_ring(
     bounds = chunk_bounds(flat.numel(), size)
     recv = workspace_or_new(workspace).scratch(bounds[1] - bounds[0], flat)
     ring_reduce_scatter_(flat, bounds, op, group, recv, segment_bytes)
-    ring_all_gather_(flat, bounds, group)
+    ring_all_gather_(flat, bounds, group, segment_bytes)
 
 
 def all_reduce_halving_doubling(

@@ -28,10 +28,11 @@ from lockstep.collectives._p2p import (
     workspace_or_new,
 )
 
-SEGMENT_BYTES = 4 * 1024 * 1024
-"""A reduce-scatter step is sent in segments of this size, so adding segment i overlaps the
-transfer of segment i+1. Each message costs a fixed overhead; on 2 busy CPU cores over gloo,
-segments under 1 MiB lost more to it than the overlap won (docs/benchmarks.md)."""
+SEGMENT_BYTES = 1024 * 1024
+"""Each ring step is sent as messages of at most this size. Combining segment i then
+overlaps the transfer of segment i+1, and both directions of a TCP connection stay busy:
+over a rate-limited link, one 12.5 MB message each way took twice as long as the same
+bytes in 1 MiB pieces. Much smaller segments pay a fixed cost per message (docs/collectives.md)."""
 
 
 def ring_reduce_scatter_(
@@ -73,21 +74,30 @@ def ring_reduce_scatter_(
     finish_(flat[bounds[rank] : bounds[rank + 1]], op, size)
 
 
-def ring_all_gather_(flat: torch.Tensor, bounds: list[int], group: Group) -> None:
+def ring_all_gather_(
+    flat: torch.Tensor, bounds: list[int], group: Group, segment_bytes: int = SEGMENT_BYTES
+) -> None:
     """In place: every rank's chunk `rank` of `flat` is copied into the same chunk on all ranks.
 
     Args:
         flat: a 1-D contiguous tensor; chunk `rank` holds this rank's part.
         bounds: N+1 chunk boundaries, the same on every rank.
         group: the process group; the default group when None.
+        segment_bytes: the size of the messages a step is cut into.
     """
     rank, size = rank_and_size(group)
+    seg = max(1, segment_bytes // flat.element_size())
     for step in range(size - 1):
         send_c = (rank - step) % size
         recv_c = (rank - step - 1) % size
-        send = flat[bounds[send_c] : bounds[send_c + 1]]
-        into = flat[bounds[recv_c] : bounds[recv_c + 1]]
-        wait_all(post(group, send, (rank + 1) % size, into, (rank - 1) % size))
+        sends = segments(bounds[send_c], bounds[send_c + 1], seg)
+        recvs = segments(bounds[recv_c], bounds[recv_c + 1], seg)
+        works = []
+        for i in range(max(len(sends), len(recvs))):
+            send = flat[sends[i][0] : sends[i][1]] if i < len(sends) else None
+            into = flat[recvs[i][0] : recvs[i][1]] if i < len(recvs) else None
+            works += post(group, send, (rank + 1) % size, into, (rank - 1) % size)
+        wait_all(works)
 
 
 def reduce_scatter(
