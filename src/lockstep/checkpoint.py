@@ -223,7 +223,8 @@ class Checkpointer:
         if self.world_size == 1:
             return
         try:
-            dist.monitored_barrier(group=self._group, timeout=self.timeout)
+            # A barrier's own wait is bounded by the group's timeout; this one by ours.
+            dist.barrier(group=self._group, async_op=True).wait(timeout=self.timeout)
         except RuntimeError as error:
             seconds = self.timeout.total_seconds()
             if self.rank != 0:

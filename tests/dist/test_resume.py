@@ -5,6 +5,8 @@ k steps and saves; a second call restores and trains to N, so the ranks really
 exit between the halves. The model has dropout and the ranks seed their
 generators differently, so the comparison fails unless every rank gets its own
 random state back; the dataset returns sample ids, so consumption is compared.
+The same two-rank spawn also saves from every kind of wrapper and restores into
+every other (it pays once for the imports that optimizers and torch's DDP need).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import random
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import lockstep
+from lockstep.checkpoint_state import unwrap
 from lockstep.testing import run_ranks
 
 N_SAMPLES, BATCH, TOTAL = 23, 4, 10
@@ -110,6 +114,35 @@ def assert_equal_tree(a, b, where="state"):
         assert a == b, where
 
 
+WRAPS = {
+    "plain": lambda m: m,
+    "torch-ddp": torch.nn.parallel.DistributedDataParallel,
+    "lockstep-ddp": lockstep.DistributedDataParallel,
+    "naive": lockstep.NaiveDataParallel,
+}
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in unwrap(model).state_dict().items()}
+
+
+def interchange(directory):
+    """Save from every kind of wrapper, restore into every other: are the states equal?"""
+    checks = {}
+    for source, wrap in WRAPS.items():
+        torch.manual_seed(1)
+        saved = wrap(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+        saved(torch.randn(5, 3))  # move the BatchNorm running statistics too
+        lockstep.Checkpointer(Path(directory) / source).save(1, model=saved)
+        for target, wrap_target in WRAPS.items():
+            torch.manual_seed(2)
+            model = wrap_target(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+            step = lockstep.Checkpointer(Path(directory) / source).restore(model=model)
+            a, b = state(saved), state(model)
+            checks[(source, target)] = step == 1 and all(torch.equal(a[k], b[k]) for k in a)
+    return checks
+
+
 def first_halves(ctx, directory):
     """Each engine without stopping, then each engine up to its save (then the process exits)."""
     out = {("whole", e): train(ctx, e, None, -1, False) for e in ENGINES[ctx.world_size]}
@@ -117,6 +150,7 @@ def first_halves(ctx, directory):
         out[("first", engine)] = train(ctx, engine, f"{directory}/{engine}", STOP, False)
     if ctx.world_size == 2:
         out["2to1"] = train(ctx, "ddp", f"{directory}/2to1", STOP_2TO1, False)
+        out["interchange"] = interchange(f"{directory}/interchange")
     return out
 
 
@@ -133,7 +167,7 @@ def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("resume"))
     first = {w: run_ranks(first_halves, w, directory, deadline_s=120) for w in (2, 1)}
     second = {w: run_ranks(second_halves, w, directory, deadline_s=120) for w in (2, 1)}
-    return first, second
+    return first, second, directory
 
 
 @pytest.mark.parametrize(
@@ -142,7 +176,7 @@ def runs(tmp_path_factory):
     ids=["1-plain", "2-ddp", "2-naive"],
 )
 def test_stop_exit_restore_continue_is_bitwise_the_uninterrupted_run(runs, world_size, engine):
-    first, second = runs
+    first, second, _ = runs
     for rank in range(world_size):
         a = first[world_size][rank][("whole", engine)]
         b = first[world_size][rank][("first", engine)]
@@ -157,7 +191,7 @@ def test_stop_exit_restore_continue_is_bitwise_the_uninterrupted_run(runs, world
 
 
 def test_a_checkpoint_from_two_ranks_resumes_on_one_and_reshards_the_epoch(runs):
-    first, second = runs
+    first, second, _ = runs
     saved = [first[2][rank]["2to1"] for rank in range(2)]
     resumed = second[1][0]["2to1"]
     assert_equal_tree(saved[0]["saved"], resumed["restored"], "params after restore")
@@ -166,3 +200,13 @@ def test_a_checkpoint_from_two_ranks_resumes_on_one_and_reshards_the_epoch(runs)
     epoch_one += [i for e, ids in resumed["seen"] if e == 1 for i in ids]
     assert Counter(epoch_one) == Counter(range(N_SAMPLES))  # nothing skipped, nothing twice
     assert [e for e, _ in resumed["seen"]][:5] == [1, 1, 1, 1, 2]
+
+
+def test_a_wrapped_models_checkpoint_loads_into_the_plain_model_and_back(runs):
+    first, _, directory = runs
+    for rank in range(2):
+        checks = first[2][rank]["interchange"]
+        assert len(checks) == 16 and all(checks.values()), checks
+    path = Path(directory) / "interchange" / "torch-ddp" / "step_00000001.pt"
+    saved = torch.load(path, weights_only=True)["model"]
+    assert saved and not any(key.startswith("module.") for key in saved)
