@@ -13,7 +13,7 @@ import pytest
 from lockstep.cli import main
 
 
-def _run_bench(args: list[str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+def _run_bench(args: list[str], timeout_s: float = 200) -> subprocess.CompletedProcess:
     """Run the command in its own session, so a timeout kills the launcher and its workers."""
     cmd = [sys.executable, "-m", "lockstep.cli", "bench", "allreduce", *args]
     proc = subprocess.Popen(
@@ -28,6 +28,7 @@ def _run_bench(args: list[str], timeout_s: float = 120) -> subprocess.CompletedP
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+@pytest.mark.timeout(240)
 def test_sweep_at_world_size_2_writes_json_that_plan_accepts(tmp_path, capsys):
     path = tmp_path / "bw.json"
     args = ["--nproc-per-node", "2", "--min-bytes", "4KiB", "--max-bytes", "64KiB"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -103,17 +102,3 @@ def test_json_file_and_table_together(tmp_path, capsys):
     assert methods == {"two-phase", "flat ring"}
     assert "2-phase  each node sends 2(M-1)/M x payload" in table
     assert "nvlink + infiniband" in table
-
-
-def test_installed_command_exits_2_on_bad_input():
-    proc = subprocess.run(
-        [sys.executable, "-m", "lockstep.cli", "plan", "--model", "7B", "--gpu-memory", "80"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "lockstep plan: error: --gpu-memory expects a number with a unit: 512B, 4KB, 80GB "
-        "(1e9 bytes) or 80GiB (2**30 bytes); found '80'"
-    ]
