@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from lockstep import Checkpointer
+from lockstep import Checkpointer, rng
 from lockstep.checkpoint_files import FORMAT_KEY, FORMAT_VERSION, POINTS
 from lockstep.errors import CheckpointError
 from lockstep.testing import RankFailure, run_ranks
@@ -208,3 +210,14 @@ def test_only_the_newest_keep_checkpoints_stay_and_extra_comes_back(tmp_path):
         checkpointer.save(5, model=model_with(1.0), extra={"fn": len})
     with pytest.raises(CheckpointError, match="expected a step that is an int >= 0"):
         checkpointer.save(-1, model=model_with(1.0))
+
+
+def test_random_states_survive_a_weights_only_round_trip(tmp_path):
+    state = rng.capture()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(2), random.gauss(0, 1))
+    random.random(), np.random.rand(), torch.rand(5)  # move every generator on
+    rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.rand(), torch.rand(2), random.gauss(0, 1))
+    assert got[0] == expected[0] and got[1] == expected[1] and got[3] == expected[3]
+    assert torch.equal(got[2], expected[2])
