@@ -162,25 +162,23 @@ def main() -> None:
     lora = ddp.stats
 
     if ctx.is_main:
-        trainable, total = model.get_nb_trainable_parameters()
-        rows = [
-            ("full fine-tune", total - trainable, full, planned_payload(None)),
-            (
-                f"LoRA r={args.rank} {','.join(TARGETS)}",
-                trainable,
-                lora,
-                planned_payload(args.rank),
-            ),
-        ]
-        print(f"\nbytes per step, world size {ctx.world_size}, fp32 gradients")
-        print(f"{'':<26}{'trainable':>11}{'payload':>12}{'wire/rank':>12}{'planner':>12}")
-        for name, params, stats, plan in rows:
-            print(
-                f"{name:<26}{params:>11,}{stats.payload_bytes:>12,}{stats.wire_bytes:>12,}"
-                f"{plan:>12,}"
-            )
-        print(f"LoRA puts {full.payload_bytes / lora.payload_bytes:.0f}x fewer bytes on the wire")
+        report(ctx, model, args.rank, full, lora)
     lockstep.shutdown()
+
+
+def report(ctx: lockstep.DistContext, model: nn.Module, rank: int, full, lora) -> None:
+    """Bytes per step of both phases, as the engine measured them, beside the planner's."""
+    trainable, total = model.get_nb_trainable_parameters()
+    rows = [
+        ("full fine-tune", total - trainable, full, planned_payload(None)),
+        (f"LoRA r={rank} {','.join(TARGETS)}", trainable, lora, planned_payload(rank)),
+    ]
+    print(f"\nbytes per step, world size {ctx.world_size}, fp32 gradients")
+    print(f"{'':<26}{'trainable':>11}{'payload':>12}{'wire/rank':>12}{'planner':>12}")
+    for name, params, stats, plan in rows:
+        line = f"{name:<26}{params:>11,}{stats.payload_bytes:>12,}{stats.wire_bytes:>12,}"
+        print(f"{line}{plan:>12,}")
+    print(f"LoRA puts {full.payload_bytes / lora.payload_bytes:.0f}x fewer bytes on the wire")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,32 @@ def _link_json(link: Link) -> dict[str, Any]:
     }
 
 
+def _memory_json(plan: Plan) -> dict[str, Any]:
+    return {
+        row.strategy.value: {
+            "weights_bytes": row.bytes.weights,
+            "grads_bytes": row.bytes.grads,
+            "optimizer_bytes": row.bytes.optimizer,
+            "total_bytes": row.bytes.total,
+            "fits": row.fits,
+        }
+        for row in plan.memory
+    }
+
+
+def _allreduce_json(plan: Plan) -> list[dict[str, Any]]:
+    return [
+        {
+            "label": row.label,
+            "method": row.method,
+            "seconds_fast": row.seconds_fast,
+            "seconds_slow": row.seconds_slow,
+            "links": [_link_json(link) for link in row.links],
+        }
+        for row in plan.comm
+    ]
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     """The plan as a JSON-ready dict; sizes in bytes, times in seconds, rates in bytes/s."""
     cfg, topo = plan.config, plan.config.topology
@@ -151,30 +177,12 @@ def to_json(plan: Plan) -> dict[str, Any]:
         },
         "dtypes": {"weights": cfg.weights_dtype.label, "grads": cfg.grads_dtype.label},
         "optimizer": _optimizer_label(plan),
-        "memory": {
-            row.strategy.value: {
-                "weights_bytes": row.bytes.weights,
-                "grads_bytes": row.bytes.grads,
-                "optimizer_bytes": row.bytes.optimizer,
-                "total_bytes": row.bytes.total,
-                "fits": row.fits,
-            }
-            for row in plan.memory
-        },
+        "memory": _memory_json(plan),
         "payload_bytes": plan.payload_bytes,
         "bucket_count": len(plan.buckets),
         "bucket_cap_bytes": cfg.bucket_cap_bytes,
         "sent_per_gpu_bytes": plan.sent_per_gpu_bytes,
-        "allreduce": [
-            {
-                "label": row.label,
-                "method": row.method,
-                "seconds_fast": row.seconds_fast,
-                "seconds_slow": row.seconds_slow,
-                "links": [_link_json(link) for link in row.links],
-            }
-            for row in plan.comm
-        ],
+        "allreduce": _allreduce_json(plan),
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "effective_batch_size": plan.effective_batch,
