@@ -12,6 +12,7 @@ moment for the others' reports, and either restarts into a fresh rendezvous roun
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.rendezvous import NodeRankRendezvous
 from lockstep.launch.report import describe, restart_line
+from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
 ALIVE_KEY = "lockstep/alive/{node}"
@@ -49,10 +51,14 @@ class LockstepAgent(LocalElasticAgent):
         *args, **kwargs: as for `LocalElasticAgent` (spec, logs_specs, ...).
         grace_s: how long a node waits for the other nodes' reports after a failure.
         silence_s: a node whose heartbeat stalls this long is declared lost.
+        watchdog: told of every step forward, so a store that hangs ends the launcher.
     """
 
-    def __init__(self, *args: Any, grace_s: float, silence_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, grace_s: float, silence_s: float, watchdog: Watchdog, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self._watchdog = watchdog
         self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
         self._grace_s = grace_s
         self._silence_s = silence_s
@@ -84,12 +90,20 @@ class LockstepAgent(LocalElasticAgent):
         self._stop_beating.set()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._watchdog.pet("joining the rendezvous")
         super()._rendezvous(worker_group)
+        self._watchdog.pet("starting the workers")
         self._posted = False
         self.reports = {}
         self._beats = {}
 
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._watchdog.pet("stopping the workers")
+        super()._stop_workers(worker_group)
+        self._watchdog.pet("stopped the workers")
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._watchdog.pet("watching the workers")
         result = super()._monitor_workers(worker_group)
         try:
             return self._watch_group(worker_group, result)
@@ -146,6 +160,7 @@ class LockstepAgent(LocalElasticAgent):
         me = self.rendezvous.me
         report = group.NodeReport(me.node_rank, me.host, me.addr, cause, failures, final)
         store = self._worker_group.store
+        self._watchdog.pet("exchanging failure reports")
         group.post(store, report)
         self._posted = True
         grace = 0.0 if final else self._grace_s
@@ -160,6 +175,14 @@ class LockstepAgent(LocalElasticAgent):
                 self._end_round(cause, [], final=True)
         except Exception as error:  # the store may be gone already
             log.debug("could not announce the stop: %s", error)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Ctrl-C reaches only the launcher (workers run in their own sessions); stop the
+        # workers with SIGTERM, which ends a Python process even inside a collective.
+        if death_sig == signal.SIGINT:
+            death_sig = signal.SIGTERM
+        self._watchdog.pet("stopping the workers")
+        super()._shutdown(death_sig, timeout)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         restart = self.restart_count  # the caller has counted this restart already

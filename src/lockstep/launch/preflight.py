@@ -116,12 +116,15 @@ def wait_for_master(cfg: RunConfig, ip: str, timeout_s: float) -> None:
     )
 
 
-def preflight(cfg: RunConfig) -> Route:
-    """All checks for this node; returns its route towards the master."""
+def find_route(cfg: RunConfig) -> tuple[str, Route]:
+    """The master's IP, and this node's address and interface towards it."""
     ip = master_ip(cfg)
-    route = local_route(cfg, ip)
+    return ip, local_route(cfg, ip)
+
+
+def check_master(cfg: RunConfig, ip: str) -> None:
+    """Node 0: the master address is its own and the port free; others: the port answers."""
     if cfg.node_rank == 0 and cfg.master_port != 0:
         check_master_port(cfg, ip)
     elif cfg.node_rank != 0:
         wait_for_master(cfg, ip, cfg.rdzv_timeout_s)
-    return route

@@ -9,6 +9,7 @@ logged for each restart.
 
 from __future__ import annotations
 
+import re
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -16,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from lockstep.launch.group import NodeReport, WorkerFailure, first_failure
 
 TRACEBACK_LINES = 12
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 MESSAGE_CHARS = 200
 
 
@@ -33,6 +35,11 @@ def _how(failure: ProcessFailure) -> str:
     return f"exit code {failure.exitcode}"
 
 
+def _short(message: str) -> str:
+    """The exception line without C++ source locations such as '[/src/gloo/pair.cc:537] '."""
+    return _SOURCE_LOCATION.sub("", message)
+
+
 def describe(rank: int, failure: ProcessFailure, node_rank: int, host: str) -> WorkerFailure:
     """A `WorkerFailure` for global rank `rank` from elastic's record of it."""
     stack = _traceback(failure)
@@ -43,7 +50,7 @@ def describe(rank: int, failure: ProcessFailure, node_rank: int, host: str) -> W
         host=host,
         pid=failure.pid,
         how=_how(failure),
-        message=stack[-1] if stack else "",
+        message=_short(stack[-1]) if stack else "",
         traceback=stack[-TRACEBACK_LINES:],
         detected=time.time(),
     )

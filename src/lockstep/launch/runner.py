@@ -30,12 +30,14 @@ from lockstep.launch import group
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route
-from lockstep.launch.preflight import preflight
+from lockstep.launch.preflight import check_master, find_route
 from lockstep.launch.rendezvous import NodeInfo, build
 from lockstep.launch.report import summarize
+from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
-GRACE_S = 5.0  # how long a node waits for the others' reports after a failure
+GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
+WATCHDOG_MARGIN_S = 10  # on top of the longest legitimate wait (rendezvous or shutdown)
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -50,7 +52,10 @@ def _setup_logging(node_rank: int) -> None:
         log.setLevel(logging.INFO)
         log.propagate = False
     for handler in log.handlers:
-        handler.setFormatter(logging.Formatter(f"lockstep run [node {node_rank}]: %(message)s"))
+        formatter = logging.Formatter(
+            f"lockstep run [node {node_rank} %(asctime)s]: %(message)s", datefmt="%H:%M:%S"
+        )
+        handler.setFormatter(formatter)
 
 
 def _worker_threads(cfg: RunConfig) -> str:
@@ -72,7 +77,7 @@ def _set_worker_env(cfg: RunConfig, route: Route) -> str:
     return f"{route.interface} (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)"
 
 
-def _agent(cfg: RunConfig, me: NodeInfo) -> LockstepAgent:
+def _agent(cfg: RunConfig, me: NodeInfo, watchdog: Watchdog) -> LockstepAgent:
     spec = WorkerSpec(
         role="worker",
         local_world_size=cfg.nproc_per_node,
@@ -91,6 +96,7 @@ def _agent(cfg: RunConfig, me: NodeInfo) -> LockstepAgent:
         shutdown_timeout=cfg.shutdown_timeout_s,
         grace_s=GRACE_S,
         silence_s=max(10.0, cfg.rdzv_timeout_s / 4),
+        watchdog=watchdog,
     )
 
 
@@ -112,39 +118,48 @@ def run(cfg: RunConfig) -> int:
     """
     _setup_logging(cfg.node_rank)
     try:
-        route = preflight(cfg)
+        ip, route = find_route(cfg)
+        me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
+        _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+        check_master(cfg, ip)
     except LockstepError as error:
         log.error("%s", error)
         return 1
-    me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
-    _describe_start(cfg, me, route, _set_worker_env(cfg, route))
-    agent = _agent(cfg, me)
+    limit = max(cfg.rdzv_timeout_s, cfg.shutdown_timeout_s) + WATCHDOG_MARGIN_S
+    watchdog = Watchdog(limit, f"{cfg.master_addr}:{cfg.master_port}")
+    watchdog.pet("connecting to the rendezvous store")
+    agent = _agent(cfg, me, watchdog)
+    code, others_may_read = 1, False
     try:
-        return _supervise(cfg, agent)
+        code, others_may_read = _supervise(cfg, agent)
     finally:
         agent.close()
-        _leave(cfg, agent)
+        watchdog.pet("leaving the rendezvous")
+        _leave(cfg, agent, others_may_read)
+        watchdog.stop()
+    return code
 
 
-def _supervise(cfg: RunConfig, agent: LockstepAgent) -> int:
+def _supervise(cfg: RunConfig, agent: LockstepAgent) -> tuple[int, bool]:
+    """The exit code, and whether other nodes may still read this node's store."""
     try:
         result = agent.run()
     except SignalException as stop:
         agent.announce_stop(f"its launcher was stopped by {stop.sigval.name}")
         log.error("stopped by %s; this node's workers were stopped", stop.sigval.name)
-        return 128 + int(stop.sigval)
+        return 128 + int(stop.sigval), True
     except KeyboardInterrupt:
         agent.announce_stop("its launcher was interrupted (SIGINT)")
-        return 128 + int(signal.SIGINT)
+        return 128 + int(signal.SIGINT), True
     except (LockstepError, RendezvousError) as error:
         log.error("%s", _rendezvous_message(cfg, agent, error))
-        return 1
+        return 1, False
     if result is not None and result.is_failed():
         print(summarize(agent.reports, cfg.nnodes, cfg.node_rank), file=sys.stderr, flush=True)
-        return 1
+        return 1, True
     if agent.restart_count:
         log.info("finished after %d restart(s)", agent.restart_count)
-    return 0
+    return 0, True
 
 
 def _rendezvous_message(cfg: RunConfig, agent: LockstepAgent, error: Exception) -> str:
@@ -176,12 +191,16 @@ def _last_cause(agent: LockstepAgent) -> str:
     return ""
 
 
-def _leave(cfg: RunConfig, agent: LockstepAgent) -> None:
-    """Close the rendezvous; node 0, which hosts its store, waits for the others to leave."""
+def _leave(cfg: RunConfig, agent: LockstepAgent, others_may_read: bool) -> None:
+    """Close the rendezvous; node 0 (the store's host) first lets readers of its store leave."""
     if agent.store_lost:
         return
+    alive = cfg.nnodes
+    if agent.reports:  # a node that sent no report in the last round is not reading either
+        alive = len(agent.reports)
+    wait_s = GRACE_S if cfg.node_rank == 0 and others_may_read else 0.0
     try:
-        group.leave(agent.rendezvous.store, cfg.nnodes, wait_s=GRACE_S if cfg.node_rank == 0 else 0)
+        group.leave(agent.rendezvous.store, alive, wait_s)
         agent.rendezvous.shutdown()
     except Exception as error:  # the store may be gone (node 0 left first)
         log.debug("leaving the rendezvous: %s", error)

@@ -1,0 +1,55 @@
+"""Fixtures for the launcher tests: two hosts on this machine (network namespaces) when possible.
+
+The setup installs iproute2 when it is missing and we are root; tests that need
+namespaces skip, with the reason printed, only where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from lockstep.netns import NetnsUnavailable, two_hosts, unavailable_reason
+
+
+def _install_iproute2() -> None:
+    """apt-get install iproute2 when `ip` or `tc` is missing and we may (root, apt-get)."""
+    if shutil.which("ip") and shutil.which("tc"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (
+        ["apt-get", "install", "-y", "-q", "iproute2"],
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "iproute2"],
+    ):
+        done = subprocess.run(argv, env=env, capture_output=True, timeout=300, check=False)
+        if argv[1] == "install" and done.returncode == 0:
+            return
+
+
+@pytest.fixture(scope="session")
+def netns_ready() -> None:
+    """Skip (with the reason) where namespaces cannot be made; install iproute2 if needed."""
+    _install_iproute2()
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+
+
+@pytest.fixture
+def hosts(netns_ready):
+    """Two hosts joined by a veth pair; torn down, with anything left inside, afterwards."""
+    pair = two_hosts()
+    try:
+        a, b = pair.__enter__()
+    except NetnsUnavailable as error:
+        pytest.skip(f"network namespaces unavailable: {error}")
+    try:
+        yield a, b
+    finally:
+        pair.__exit__(None, None, None)

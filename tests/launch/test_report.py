@@ -1,0 +1,73 @@
+"""Failure reports, node-rank checks and route finding: the pure parts of the launcher."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.launch.group import NodeReport, WorkerFailure, first_failure
+from lockstep.launch.netif import route_to
+from lockstep.launch.rendezvous import NodeInfo, NodeRankRendezvousError, _check_node_ranks
+from lockstep.launch.report import cause_line, summarize
+
+RESET = "RuntimeError: Read error [10.0.0.2]:1234: Connection reset by peer."
+
+
+def _failure(rank: int, node: int, how: str, message: str, detected: float) -> WorkerFailure:
+    return WorkerFailure(
+        rank, rank % 2, node, f"host{node}", 100 + rank, how, message, [], detected
+    )
+
+
+def _reports() -> dict[int, NodeReport]:
+    echo = _failure(0, 0, "exit code 1", RESET, detected=1.0)  # seen first, but an echo
+    cause = _failure(3, 1, "killed by signal SIGKILL", "", detected=2.0)
+    return {
+        0: NodeReport(0, "host0", "10.0.0.1", "workers failed", [echo]),
+        1: NodeReport(1, "host1", "10.0.0.2", "workers failed", [cause]),
+    }
+
+
+def test_the_cause_beats_its_echo_even_when_seen_later():
+    first = first_failure(_reports())
+    assert (first.rank, first.how) == (3, "killed by signal SIGKILL")
+
+
+def test_summary_is_the_same_on_every_node_but_the_header():
+    texts = [summarize(_reports(), 2, node).splitlines() for node in (0, 1)]
+    assert texts[0][1:] == texts[1][1:]
+    text = "\n".join(texts[0])
+    assert "first failure: rank 3 (node 1, host1, local rank 1, pid 103): killed by signal" in text
+    assert "no Python traceback" in text
+    assert "node 0 (host0, 10.0.0.1): workers failed (also failed: ranks 0)" in text
+
+
+def test_a_silent_node_is_named_when_only_echoes_arrived():
+    reports = {0: _reports()[0]}
+    assert cause_line(reports, 2).startswith("node 1 sent no report")
+    assert "node 1: sent no report" in summarize(reports, 2, 0)
+
+
+def test_a_stopped_node_is_the_cause_when_no_worker_failed():
+    reports = {
+        0: NodeReport(0, "h0", "a0", "stopped its workers after a failure on another node"),
+        1: NodeReport(1, "h1", "a1", "its launcher was stopped by SIGTERM", final=True),
+    }
+    assert cause_line(reports, 2) == "node 1 (h1): its launcher was stopped by SIGTERM"
+
+
+def test_report_survives_the_store_round_trip():
+    report = _reports()[1]
+    assert NodeReport.from_json(report.to_json()) == report
+
+
+def test_two_nodes_with_one_node_rank_are_refused():
+    nodes = [NodeInfo(0, "h0", "a0"), NodeInfo(1, "h1", "a1"), NodeInfo(1, "h2", "a2")]
+    with pytest.raises(NodeRankRendezvousError, match="two nodes were started with --node-rank 1"):
+        _check_node_ranks(nodes, 3)
+    assert set(_check_node_ranks(nodes[:2], 2)) == {0, 1}
+
+
+def test_route_to_loopback_uses_lo():
+    route = route_to("127.0.0.1")
+    assert (route.local_addr, route.interface) == ("127.0.0.1", "lo")
+    assert route_to("127.0.0.1", local_addr="127.0.0.2").local_addr == "127.0.0.2"

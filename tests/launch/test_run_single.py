@@ -1,0 +1,107 @@
+"""`lockstep run` on one node: bad input, a failing worker, restarts, and stopping the launcher."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from launchkit import TRAIN, Launcher, live_workers, wait_for
+
+from lockstep import cli
+from lockstep.launch.cli import run_config
+
+
+def _error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["missing_script.py"], "script 'missing_script.py' not found"),
+        (["--nproc-per-node", "0", TRAIN], "--nproc-per-node must be a positive integer"),
+        (["--nproc-per-node", "two", TRAIN], "found 'two'"),
+        (["--nnodes", "2", TRAIN], "--master-port is required with --nnodes > 1"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "1", TRAIN], "[0, 2)"),
+        (["--max-restarts", "-1", TRAIN], "--max-restarts must be at least 0"),
+    ],
+)
+def test_bad_flags_get_one_line_and_exit_code_2(capsys, flags, expected):
+    message = _error(capsys, ["run", *flags])
+    assert expected in message
+    assert message.startswith("lockstep run: error:")
+    assert len(message.strip().splitlines()) == 1
+
+
+def test_slurm_variables_fill_in_the_placement(monkeypatch):
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    for name, value in {**slurm, "SLURM_JOB_NODELIST": "gpu[07-08]"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    parser = cli.build_parser()
+    cfg = run_config(parser.parse_args(["run", "--nproc-per-node", "2", TRAIN]))
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "gpu07", 24242)
+    explicit = parser.parse_args(["run", "--nproc-per-node", "2", "--master-port", "1234", TRAIN])
+    assert run_config(explicit).master_port == 1234  # a flag wins over Slurm
+
+
+def test_bad_rank_variables_are_named_by_the_worker():
+    """A script started by hand with inconsistent variables fails on init() with their names."""
+    code = (
+        "import os, lockstep\n"
+        "for env in ({'RANK': '5', 'WORLD_SIZE': '2'}, {'RANK': 'x', 'WORLD_SIZE': '2'}):\n"
+        "    os.environ.update(env)\n"
+        "    try:\n"
+        "        lockstep.init()\n"
+        "    except lockstep.LockstepError as error:\n"
+        "        print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    lines = done.stdout.splitlines()
+    assert "RANK=5 is inconsistent: expected in [0, 2)" in lines[0]
+    assert "RANK='x' is not an integer" in lines[1]
+
+
+def test_failing_worker_restarts_then_summary_names_rank_and_exception(tmp_path):
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1"]
+    script = ["--out", str(tmp_path), "--raise-rank", "1"]
+    launcher = Launcher([*flags, TRAIN, *script], tmp_path / "launcher.log")
+    assert launcher.wait(timeout=150) == 1
+    log = launcher.log()
+    # The restart is logged with its cause, and the script saw the restart count.
+    assert "restart 1 of 1: rank 1 (node 0" in log
+    assert "planned failure on rank 1 at step 0 (restart 0)" in log
+    summary = log[log.index("lockstep run: training failed") :]
+    assert "first failure: rank 1 (node 0" in summary
+    assert "exit code 1" in summary
+    assert "in main" in summary  # the worker's own frames, not the launcher's
+    assert "RuntimeError: planned failure on rank 1 at step 0 (restart 1)" in summary
+    assert "ChildFailedError" not in log
+    assert live_workers(tmp_path) == []
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stopping_the_launcher_leaves_no_worker_behind(tmp_path, stop):
+    launcher = Launcher(
+        ["--nproc-per-node", "2", TRAIN, "--out", str(tmp_path), "--steps", "100000"],
+        tmp_path / "launcher.log",
+    )
+    for rank in range(2):
+        wait_for(tmp_path / "pids" / f"{rank}.0", 120, [launcher])
+    assert len(live_workers(tmp_path)) == 2
+    launcher.proc.send_signal(stop)
+    assert launcher.wait(timeout=60) == 128 + stop
+    assert f"stopped by {stop.name}" in launcher.log()
+    deadline = time.monotonic() + 10  # init reaps orphans; allow it a moment
+    while live_workers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_workers(tmp_path) == []
