@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous.api import (
@@ -118,17 +119,23 @@ def run(cfg: RunConfig) -> int:
     """
     _setup_logging(cfg.node_rank)
     try:
-        ip, route = find_route(cfg)
-        me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
-        _describe_start(cfg, me, route, _set_worker_env(cfg, route))
-        check_master(cfg, ip)
+        me = _prepare(cfg)
     except LockstepError as error:
         log.error("%s", error)
         return 1
+    except KeyboardInterrupt:
+        return 128 + int(signal.SIGINT)
     limit = max(cfg.rdzv_timeout_s, cfg.shutdown_timeout_s) + WATCHDOG_MARGIN_S
     watchdog = Watchdog(limit, f"{cfg.master_addr}:{cfg.master_port}")
     watchdog.pet("connecting to the rendezvous store")
-    agent = _agent(cfg, me, watchdog)
+    try:
+        agent = _agent(cfg, me, watchdog)
+    except (RendezvousError, dist.DistError) as error:
+        watchdog.stop()
+        log.error(
+            "cannot use the rendezvous store at %s:%d: %s", cfg.master_addr, cfg.master_port, error
+        )
+        return 1
     code, others_may_read = 1, False
     try:
         code, others_may_read = _supervise(cfg, agent)
@@ -138,6 +145,15 @@ def run(cfg: RunConfig) -> int:
         _leave(cfg, agent, others_may_read)
         watchdog.stop()
     return code
+
+
+def _prepare(cfg: RunConfig) -> NodeInfo:
+    """Pre-flight, address and interface (logged, exported to the workers); who this node is."""
+    ip, route = find_route(cfg)
+    me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
+    _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+    check_master(cfg, ip)
+    return me
 
 
 def _supervise(cfg: RunConfig, agent: LockstepAgent) -> tuple[int, bool]:
