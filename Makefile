@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q tests
 
+# A character-level GPT on the standard library's source, 2 processes; pictures in runs/gpt_demo/.
 demo: install
-	$(BIN)/lockstep run --nproc-per-node 2 examples/train_ddp.py
+	$(BIN)/lockstep run --nproc-per-node 2 examples/gpt_demo.py
 
 lint: install
 	$(BIN)/ruff check src tests examples benchmarks
@@ -33,6 +34,7 @@ format: install
 
 bench: install
 	$(BIN)/python benchmarks/engine_vs_torch.py
+	$(BIN)/python benchmarks/observe_cost.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

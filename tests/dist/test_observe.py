@@ -112,5 +112,7 @@ def _check_trace(trace_dir, rank, result):
             assert len(ready) == 1 and len(comm) == 1
             assert comm[0]["ph"] == "X" and ready[0]["ph"] == "i"
             assert math.isclose(comm[0]["dur"], (b.done - b.launched) * 1e6, abs_tol=0.01)
-            assert comm[0]["ts"] - ready[0]["ts"] >= (b.launched - b.ready) * 1e6 - 1.0  # ts: µs since 1970
+            assert (
+                comm[0]["ts"] - ready[0]["ts"] >= (b.launched - b.ready) * 1e6 - 1.0
+            )  # ts: µs since 1970
             assert comm[0]["args"]["bytes"] == b.nbytes

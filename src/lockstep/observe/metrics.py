@@ -10,7 +10,7 @@ figures of the compact log line. Nothing here talks to other ranks.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lockstep.engine.stats import StepStats
@@ -65,10 +65,13 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """A flat, JSON-ready record (bucket times as a list)."""
-        record = asdict(self)
+        record = {name: getattr(self, name) for name in _FIELDS}
         record["bucket_seconds"] = list(self.bucket_seconds)
         record["samples_per_second"] = self.samples_per_second
         return record
+
+
+_FIELDS = tuple(f.name for f in fields(StepMetrics))
 
 
 def measure(

@@ -81,9 +81,10 @@ def plot_timeline(source: str | Path, out: str | Path, steps: int = 3) -> Path:
     chosen = select_steps(load_events(source), steps)
     plt = _pyplot()
     origin = min(e["ts"] for es in chosen.values() for e in es)
+    span = max(e["ts"] + e.get("dur", 0) for es in chosen.values() for e in es) - origin
     fig, ax = plt.subplots(figsize=(12, 0.9 + 1.25 * len(chosen)), dpi=100)
     for lane, events in enumerate(chosen.values()):
-        _draw_lane(ax, -2.0 * lane, events, origin)
+        _draw_lane(ax, -2.0 * lane, events, origin, span / 1e3)
     ticks = [y for lane in range(len(chosen)) for y in (-2.0 * lane + 0.45, -2.0 * lane - 0.45)]
     ax.set_yticks(ticks)
     ax.set_yticklabels([f"rank {r} {row}" for r in chosen for row in ("compute", "comm")])
@@ -91,7 +92,7 @@ def plot_timeline(source: str | Path, out: str | Path, steps: int = 3) -> Path:
     ax.set_xlabel("milliseconds")
     ax.set_title(
         f"{len(chosen)} rank(s), steps {step_ids[0]}-{step_ids[-1]}: compute above, "
-        "all-reduce of each bucket below (launch to done, tick = bucket ready)",
+        "all-reduce of bucket b<i> below (launch to done; ▼ = bucket ready)",
         fontsize=10,
     )
     _legend(ax, plt)
@@ -104,22 +105,27 @@ def plot_timeline(source: str | Path, out: str | Path, steps: int = 3) -> Path:
     return out
 
 
-def _draw_lane(ax: Any, base: float, events: list[dict[str, Any]], origin: float) -> None:
+def _draw_lane(
+    ax: Any, base: float, events: list[dict[str, Any]], origin: float, span_ms: float
+) -> None:
     """Compute row centred at base + 0.45, comm rows (two, by bucket parity) below it."""
     for e in events:
         x0 = (e["ts"] - origin) / 1e3
         cat = e.get("cat")
         if e["ph"] == "X" and cat in COLORS:
             ax.broken_barh([(x0, e["dur"] / 1e3)], (base + 0.05, 0.8), color=COLORS[cat])
-        elif e["ph"] == "X" and cat == "allreduce":
+        elif cat in ("allreduce", "ready"):
             bucket = e["args"]["bucket"]
             y = base - 0.9 + 0.42 * (bucket % 2)
-            color = COMM_COLORS[bucket % 2]
-            ax.broken_barh([(x0, e["dur"] / 1e3)], (y, 0.4), color=color, edgecolor="#7a3c10")
-        elif e["ph"] == "i" and cat == "ready":
-            bucket = e["args"]["bucket"]
-            y = base - 0.9 + 0.42 * (bucket % 2)
-            ax.plot([x0, x0], [y, y + 0.4], color="black", linewidth=0.8)
+            if cat == "ready":
+                ax.plot([x0], [y + 0.4], marker="v", color="black", markersize=4)
+                continue
+            width = e["dur"] / 1e3
+            ax.broken_barh([(x0, width)], (y, 0.4), color=COMM_COLORS[bucket % 2],
+                           edgecolor="#7a3c10")  # fmt: skip
+            if width > 0.025 * span_ms:
+                ax.text(x0 + width / 2, y + 0.2, f"b{bucket}", ha="center", va="center",
+                        fontsize=7)  # fmt: skip
 
 
 def _legend(ax: Any, plt: Any) -> None:

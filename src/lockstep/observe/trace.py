@@ -53,7 +53,7 @@ class TraceRecorder:
         self.path = rank_file(directory, rank)
         self.rank, self.world_size = rank, world_size
         self._offset = time.time() - time.perf_counter()  # perf_counter() -> epoch seconds
-        self._steps: deque[list[dict[str, Any]]] = deque(maxlen=max_steps)
+        self._steps: deque[tuple[Any, ...]] = deque(maxlen=max_steps)
         self._num_buckets = 0
 
     def _us(self, t: float) -> float:
@@ -76,20 +76,31 @@ class TraceRecorder:
         """Add one step's events; times are perf_counter() readings.
 
         Args:
-            metrics: the step's metrics (its number and data time).
+            metrics: the step's metrics (for its number).
             stats: the engine's figures of the step, or None without a synchronised backward.
             step_begin: the end of the previous step (or this step's forward, for the first).
             step_end: when the monitor was told the step ended.
             optimizer: (start, end) of `optimizer.step()`, or None when not timed.
         """
-        args = {"step": metrics.step}
+        # Keep the raw stamps (StepStats is frozen); events are built only when written.
+        self._steps.append((metrics.step, stats, step_begin, step_end, optimizer))
+
+    def _step_events(
+        self,
+        step: int,
+        stats: StepStats | None,
+        step_begin: float,
+        step_end: float,
+        optimizer: tuple[float, float] | None,
+    ) -> list[dict[str, Any]]:
+        args = {"step": step}
         add = self._slice
-        events = [add(f"step {metrics.step}", "step", step_begin, step_end, COMPUTE_TID, args)]
+        events = [add(f"step {step}", "step", step_begin, step_end, COMPUTE_TID, args)]
         if stats is not None:
             events += self._engine_events(stats, step_begin, args)
         if optimizer is not None:
             events.append(add("optimizer", "optimizer", *optimizer, COMPUTE_TID, args))
-        self._steps.append(events)
+        return events
 
     def _engine_events(self, stats: StepStats, step_begin: float, args: dict) -> list[dict]:
         start = stats.start
@@ -121,6 +132,7 @@ class TraceRecorder:
 
     def events(self) -> list[dict[str, Any]]:
         """Track names and the kept steps' events, oldest first."""
+        steps = [self._step_events(*recorded) for recorded in self._steps]
         meta = [
             _meta("process_name", self.rank, COMPUTE_TID, {"name": f"rank {self.rank}"}),
             _meta("process_sort_index", self.rank, COMPUTE_TID, {"sort_index": self.rank}),
@@ -130,7 +142,7 @@ class TraceRecorder:
             tid = bucket_tid(index)
             meta.append(_meta("thread_name", self.rank, tid, {"name": f"bucket {index}"}))
             meta.append(_meta("thread_sort_index", self.rank, tid, {"sort_index": tid}))
-        return meta + [event for step in self._steps for event in step]
+        return meta + [event for step in steps for event in step]
 
     def write(self) -> Path:
         """Write `trace_rank{rank}.json` (a complete JSON object) and return its path."""
