@@ -22,6 +22,7 @@ from torch import nn
 from lockstep import rng
 from lockstep.checkpoint_files import CheckpointFiles
 from lockstep.checkpoint_state import build_payload, device_of, load_component, load_model
+from lockstep.data.agreement import group_place
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 
@@ -62,10 +63,7 @@ class Checkpointer:
         self.directory = Path(directory)
         self.files = CheckpointFiles(self.directory, keep)
         self.timeout = read_timeout() if timeout_s is None else timedelta(seconds=timeout_s)
-        self.rank, self.world_size = 0, 1
-        if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
+        self.rank, self.world_size = group_place(process_group, "Checkpointer")
         self._group = _coordination_group(process_group, self.world_size)
         self.extra: Any = None
 
@@ -126,6 +124,8 @@ class Checkpointer:
                 "Expected a writable directory with free space; earlier checkpoints are "
                 "untouched. Fix the permissions or choose another directory."
             )
+        except Exception as error:  # reported on every rank rather than hanging the others
+            return f"rank 0 could not save step {step}: {type(error).__name__}: {error}"
         return None
 
     def restore(
@@ -193,6 +193,8 @@ class Checkpointer:
                     load_component(component, payload.get(name), name, str(path))
         except CheckpointError as error:
             return str(error)
+        except Exception as error:  # reported on every rank rather than hanging the others
+            return f"loading {path} failed: {type(error).__name__}: {error}"
         self.extra = payload.get("extra")
         return None
 

@@ -64,7 +64,7 @@ def _slow_rank0(ctx, directory):
     checkpointer = Checkpointer(directory, timeout_s=1)
     if ctx.rank == 0:
         checkpointer.files.on_point = lambda point: (
-            time.sleep(4) if point == "temp_synced" else None
+            time.sleep(2.5) if point == "temp_synced" else None
         )
     checkpointer.save(1, model=make(1))
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lockstep import Checkpointer
 from lockstep.data import ShardedSampler, epoch_order, shard
+from lockstep.errors import EnvironmentConfigError
 
 
 class Ids(torch.utils.data.Dataset):
@@ -172,3 +174,13 @@ def test_a_different_seed_on_resume_warns_and_keeps_the_saved_order():
     with pytest.warns(UserWarning, match="saved shuffle seed 1 instead of seed 2"):
         resumed.load_state_dict(saved.state_dict())
     assert list(resumed) == epoch_order(10, 1, 0).tolist()[3:]
+
+
+def test_a_launched_process_without_a_group_is_stopped_before_it_reads_everything(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(EnvironmentConfigError, match=r"rank 1, although .* 2 processes"):
+        shard(Ids(4), 2)
+    with pytest.raises(EnvironmentConfigError, match="before Checkpointer"):
+        Checkpointer("unused")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lockstep.data.agreement import check_data_agreement
+from lockstep.data.agreement import check_data_agreement, group_place
 
 STATE_KEYS = ("epoch", "position", "seed", "num_samples", "world_size", "shuffle")
 
@@ -52,10 +52,8 @@ def _place(
                 f"found rank={rank}, world_size={world_size}. Pass both or neither."
             )
         return rank, world_size, False
-    if dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size(process_group)
-        return dist.get_rank(process_group), size, size > 1
-    return 0, 1, False
+    rank, size = group_place(process_group, "ShardedSampler")
+    return rank, size, size > 1
 
 
 class ShardedSampler(Sampler[int]):
