@@ -32,7 +32,7 @@ from workloads import WORKLOADS, build
 import lockstep
 from lockstep.bench.allreduce_worker import SweepOptions, run_sweep
 from lockstep.bench.sweep import result_json, sweep_sizes
-from lockstep.plan import PlanConfig, count_module, full_trainable, make_plan
+from lockstep.plan import PlanConfig, count_on_meta, full_trainable, make_plan
 from lockstep.plan.links import Link, measured_from_doc, read_measured
 from lockstep.plan.units import DType
 from lockstep.testing import run_ranks
@@ -42,8 +42,7 @@ SWEEP = SweepOptions(tuple(sweep_sizes(4096, 64 * 2**20, 2, 4)), "fp32", iters=5
 
 def predict(name: str, world: int, link: Link) -> tuple[float, int, int]:
     """(predicted seconds per step, payload bytes, bucket count) from the planner."""
-    with torch.device("meta"):
-        shape = count_module(WORKLOADS[name].factory(), name)
+    shape = count_on_meta(WORKLOADS[name].factory, name)
     cfg = PlanConfig(
         shape, full_trainable(shape), gpus=world, weights_dtype=DType.FP32, measured=link
     )

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
-from lockstep.plan import count_module, full_trainable, lora_trainable
+from lockstep.plan import count_on_meta, full_trainable, lora_trainable
 
 TARGETS = ("q_proj", "v_proj")
 
@@ -124,8 +124,7 @@ def train_step(ddp: nn.Module, opt: torch.optim.Optimizer | None, tokens: torch.
 
 def planned_payload(lora_rank: int | None, grad_bytes: int = 4) -> int:
     """The planner's payload for this model, counted on the meta device."""
-    with torch.device("meta"):
-        shape = count_module(build_model())
+    shape = count_on_meta(build_model)
     trainable = lora_trainable(shape, lora_rank, TARGETS) if lora_rank else full_trainable(shape)
     return trainable.count * grad_bytes
 

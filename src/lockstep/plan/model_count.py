@@ -10,9 +10,12 @@ counted once; parameters with requires_grad=False (a frozen base) are not traina
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lockstep.plan.presets import PRESETS, preset_shape
 from lockstep.plan.shape import LinearInfo, ModelShape
@@ -21,6 +24,44 @@ from lockstep.plan.units import looks_like_count, parse_count
 MODEL_FORMS = (
     f"a parameter count (7B, 125M, 7e9), a preset ({', '.join(PRESETS)}), or pkg.module:factory"
 )
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Skip random initialisers on meta tensors: there are no values to fill.
+
+    Besides being useless there, torch's meta `normal_` imports torch._dynamo on
+    first use, which costs seconds; every nn.Embedding would pay it.
+    """
+
+    SKIP = frozenset(
+        {
+            nn.init.normal_,
+            nn.init.trunc_normal_,
+            nn.init.uniform_,
+            nn.init.kaiming_normal_,
+            nn.init.kaiming_uniform_,
+            nn.init.xavier_normal_,
+            nn.init.xavier_uniform_,
+            nn.init.orthogonal_,
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.Tensor.random_,
+        }
+    )
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in self.SKIP:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def count_module(module: nn.Module, label: str = "module") -> ModelShape:
@@ -69,28 +110,37 @@ def load_factory(spec: str) -> object:
     return factory
 
 
-def count_factory(spec: str) -> ModelShape:
-    """Build `pkg.module:factory()` on the meta device and count it (no weights allocated).
+def count_on_meta(factory: Callable[[], Any], label: str = "module") -> ModelShape:
+    """Call `factory()` on the meta device (shapes, no storage, no init) and count the result.
 
     Raises:
-        ValueError: the factory cannot be loaded, fails, or does not return an nn.Module.
+        ValueError: the factory fails, or does not return an nn.Module.
     """
-    factory = load_factory(spec)
-    if not callable(factory):
-        raise ValueError(f"--model: {spec!r} is not callable; expected a factory function")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInitOnMeta():
             module = factory()
     except Exception as error:
         raise ValueError(
-            f"--model: {spec}() failed on the meta device ({type(error).__name__}: {error}); "
+            f"--model: {label}() failed on the meta device ({type(error).__name__}: {error}); "
             "expected a factory that builds the model without arguments"
         ) from None
     if not isinstance(module, nn.Module):
         raise ValueError(
-            f"--model: {spec}() returned {type(module).__name__}; expected an nn.Module"
+            f"--model: {label}() returned {type(module).__name__}; expected an nn.Module"
         )
-    return count_module(module, spec)
+    return count_module(module, label)
+
+
+def count_factory(spec: str) -> ModelShape:
+    """Import `pkg.module:factory` and count what it builds, on the meta device.
+
+    Raises:
+        ValueError: the factory cannot be loaded or called, or returns no nn.Module.
+    """
+    factory = load_factory(spec)
+    if not callable(factory):
+        raise ValueError(f"--model: {spec!r} is not callable; expected a factory function")
+    return count_on_meta(factory, spec)
 
 
 def resolve_model(text: str) -> ModelShape:
