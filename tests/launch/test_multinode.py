@@ -9,6 +9,7 @@ mid-training must both end with bitwise the same parameters.
 from __future__ import annotations
 
 import ipaddress
+import os
 import signal
 import socket
 import subprocess
@@ -106,9 +107,9 @@ def test_sigkill_of_one_worker_restarts_every_node_and_resumes_bitwise(reference
 def test_killing_node1_launcher_makes_node0_report_and_exit(hosts, tmp_path):
     a, b = hosts
     script = ["--out", str(tmp_path), "--steps", "100000", "--step-sleep", "0.05"]
-    flags = ["--max-restarts", "1", "--rdzv-timeout", "10"]
+    flags = ["--max-restarts", "1", "--rdzv-timeout", "10", "--nproc-per-node", "1"]
     node0, node1 = two_nodes(a, b, tmp_path, flags, script)
-    wait_for(tmp_path / "pids" / "3.0", 150, [node0, node1])
+    wait_for(tmp_path / "pids" / "1.0", 150, [node0, node1])
     node1.proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     assert node0.wait(timeout=90) == 1
@@ -128,3 +129,19 @@ def _running(host: Host) -> list[str]:
     """Pids of the processes still inside the host's namespace."""
     argv = ["ip", "netns", "pids", host.namespace]
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_a_frozen_node_is_declared_lost_by_its_heartbeat(hosts, tmp_path):
+    """Node 1 stops (SIGSTOP: no crash, no closed socket); node 0 must notice and end."""
+    a, b = hosts
+    script = ["--out", str(tmp_path), "--steps", "100000", "--step-sleep", "0.05"]
+    flags = ["--rdzv-timeout", "10", "--nproc-per-node", "1"]
+    node0, node1 = two_nodes(a, b, tmp_path, flags, script)
+    wait_for(tmp_path / "pids" / "1.0", 150, [node0, node1])
+    for pid in _running(b):
+        os.kill(int(pid), signal.SIGSTOP)
+    assert node0.wait(timeout=90) == 1
+    log = node0.log()
+    assert "lost node 1: no heartbeat for 10 s" in log
+    assert "node 1: sent no report" in log
+    node1.kill()  # the frozen node; its worker dies with it
