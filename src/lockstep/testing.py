@@ -92,7 +92,8 @@ def _rank_main(
 
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lockstep"])
+    # torch._dynamo is imported lazily by optimizers and torch DDP: preload it once, here.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "lockstep"])
     return ctx
 
 
