@@ -9,7 +9,8 @@ run --nnodes 2 --nproc-per-node 2` starts benchmarks/collectives_topology_worker
    all-reduce and gloo's native one: median time, and the bytes each node's veth
    sent per call (kernel counters);
 2. training steps of the small GPT (benchmarks/workloads.py), full fine-tune and
-   LoRA, across the link; then the same two on one node (4 processes, loopback).
+   LoRA, across the link (and full with the engine's allreduce="hierarchical");
+   then the same two on one node (4 processes, loopback).
 Needs root and iproute2. Prints markdown tables; --out keeps the JSON of each run.
 """
 
@@ -122,6 +123,10 @@ def main() -> int:
             runs[f"{mode}, 2 nodes x 2, {args.rate} link"] = two_nodes(
                 a, b, [*train, "--mode", mode], out, f"{mode}-2x2"
             )
+        hierarchical = [*train, "--mode", "full", "--allreduce", "hierarchical"]
+        runs[f"full, 2 nodes x 2, {args.rate} link, engine allreduce=hierarchical"] = two_nodes(
+            a, b, hierarchical, out, "full-2x2-hierarchical"
+        )
     for mode in ("full", "lora"):
         runs[f"{mode}, 1 node x 4"] = one_node([*train, "--mode", mode], out, f"{mode}-1x4")
     print(f"## All-reduce across a {args.rate} link, 2 nodes x 2 processes\n")

@@ -31,8 +31,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _ring_small_segments(tensor, op=dist.ReduceOp.SUM, group=None):
-    """The ring with 6-byte segments: steps of several segments, counts differing by one."""
-    all_reduce_ring(tensor, op, group, segment_bytes=6)
+    """The ring in 40-byte segments: many per step, some empty, chunks of unequal length."""
+    all_reduce_ring(tensor, op, group, segment_bytes=40)
 
 
 ALL_REDUCES = {

@@ -31,11 +31,8 @@ from lockstep.collectives._p2p import (
 )
 from lockstep.collectives.broadcast import broadcast_linear, broadcast_tree
 from lockstep.collectives.reduce import reduce_tree_
-from lockstep.collectives.scatter_gather import (
-    SEGMENT_BYTES,
-    ring_all_gather_,
-    ring_reduce_scatter_,
-)
+from lockstep.collectives.ring import all_reduce_ring_pipelined
+from lockstep.collectives.scatter_gather import SEGMENT_BYTES
 
 
 def all_reduce_naive(
@@ -96,11 +93,11 @@ def all_reduce_ring(
     workspace: Workspace | None = None,
     segment_bytes: int = SEGMENT_BYTES,
 ) -> None:
-    """Ring reduce-scatter, then ring all-gather, on near-equal chunks of the flat tensor.
+    """Ring reduce-scatter, then ring all-gather, pipelined segment by segment (`ring.py`).
 
     Args: as `all_reduce_naive`, and
-        segment_bytes: messages are cut to this size, so that combining one segment
-            overlaps the transfer of the next, and both directions of a link stay busy.
+        segment_bytes: chunks are sent in messages of about this size, so that adding one
+            segment overlaps the transfer of the next, and both directions of a link stay busy.
 
     Raises:
         ValueError: the tensor is not dense and contiguous, or the op is not supported.
@@ -110,10 +107,8 @@ def all_reduce_ring(
     if size == 1:
         return
     flat = tensor.view(-1)
-    bounds = chunk_bounds(flat.numel(), size)
-    recv = workspace_or_new(workspace).scratch(bounds[1] - bounds[0], flat)
-    ring_reduce_scatter_(flat, bounds, op, group, recv, segment_bytes)
-    ring_all_gather_(flat, bounds, group, segment_bytes)
+    segment_numel = max(1, segment_bytes // flat.element_size())
+    all_reduce_ring_pipelined(flat, op, group, workspace_or_new(workspace), segment_numel)
 
 
 def all_reduce_halving_doubling(
