@@ -32,7 +32,7 @@ import lockstep
 from lockstep.observe import ReplicaCheck, check_replicas, plot_loss, plot_timeline
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--steps", type=int, default=300, help="steps to train in this run (default 300)")
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     add("--max-bytes", type=int, default=2_000_000, help="characters of stdlib text to read")
     add("--out", default="runs/gpt_demo", help="output directory (default runs/gpt_demo)")
     add("--seed", type=int, default=0)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def batches(loader: lockstep.data.ShardedLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,8 +83,9 @@ def build(args: argparse.Namespace, data: CharWindows) -> Training:
     return Training(model, ddp, opt, sched, loader, checkpointer)
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    """Train, report on rank 0, and return 0 when every replica ends identical (else 1)."""
+    args = parse_args(argv)
     ctx = lockstep.init()
     text, files = stdlib_text(args.max_bytes)
     data = CharWindows(encode(text), args.context)
@@ -122,7 +123,6 @@ def main() -> int:
     check = check_replicas(t.ddp)  # every rank's checksum, all-gathered
     if ctx.is_main:
         report(args, t.model, monitor, merged, check, end - start, time.perf_counter() - began)
-    lockstep.shutdown()
     return 0 if check.identical else 1
 
 
@@ -172,4 +172,6 @@ def report(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    lockstep.shutdown()
+    sys.exit(code)

@@ -59,7 +59,8 @@ class Monitor:
         stream: where rank 0 prints (default: sys.stdout for lines, the bar on stderr).
 
     Raises:
-        ValueError: log_every < 1, or tensorboard=True without log_dir or the package.
+        ValueError: log_every < 1, straggler_every < 0, `ddp` is not lockstep's, or
+            tensorboard=True without log_dir or the package.
     """
 
     def __init__(
@@ -79,8 +80,16 @@ class Monitor:
         tensorboard: bool | None = None,
         stream: Any = None,
     ) -> None:
-        if log_every < 1:
-            raise ValueError(f"Monitor log_every must be at least 1; found {log_every}")
+        if log_every < 1 or (straggler_every or 0) < 0:
+            raise ValueError(
+                "Monitor expected log_every >= 1 and straggler_every >= 0 (or None); found "
+                f"log_every={log_every}, straggler_every={straggler_every}"
+            )
+        if not hasattr(ddp, "stats"):
+            raise ValueError(
+                f"Monitor expected a lockstep.DistributedDataParallel (it reads ddp.stats); "
+                f"found {type(ddp).__name__}. Wrap the model with lockstep.DistributedDataParallel."
+            )
         self.ddp, self.ctx = ddp, ctx
         self.group = getattr(ddp, "process_group", None)
         self.log_every, self.straggler_every = log_every, straggler_every or 0
@@ -234,12 +243,31 @@ class Monitor:
 
     # ----------------------------------------------------------------- close
     def close(self) -> Path | None:
-        """Flush, close the files and write the trace; collective when tracing or pending.
+        """Flush, close the files and write the trace; call on every rank.
 
         Returns:
-            With tracing on, on rank 0, the merged trace of all ranks (else None).
+            With tracing on, on rank 0, the merged trace of all ranks (None elsewhere, or
+            when the other ranks' files are not visible from rank 0).
         """
         self.flush()
+        self._close_local()
+        if self.trace is None:
+            return None
+        trace, self.trace = self.trace, None
+        trace.write()
+        if self.ctx.world_size > 1:
+            dist.barrier(group=self.group)
+        if not self.ctx.is_main:
+            return None
+        try:
+            return merge_traces(trace.path.parent, world_size=self.ctx.world_size)
+        except ValueError as error:  # other nodes' files are not here (no shared file system)
+            print(f"lockstep trace: not merged: {error}. Copy every rank's file into one "
+                  "directory and run `lockstep trace merge DIR`.")  # fmt: skip
+            return None
+
+    def _close_local(self) -> None:
+        """Remove the optimizer hooks and close this rank's files; no communication."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -247,13 +275,6 @@ class Monitor:
             if sink is not None:
                 sink.close()
         self.console = self.jsonl = self.tensorboard = None
-        if self.trace is None:
-            return None
-        trace, self.trace = self.trace, None
-        trace.write()
-        if self.ctx.world_size > 1:
-            dist.barrier(group=self.group)
-        return merge_traces(trace.path.parent) if self.ctx.is_main else None
 
     def __enter__(self) -> Monitor:
         return self
@@ -261,3 +282,5 @@ class Monitor:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is None:
             self.close()
+        else:  # another rank may be gone: no collective, just close the files
+            self._close_local()

@@ -201,16 +201,29 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
-def merge_traces(directory: str | Path, out: str | Path | None = None) -> Path:
-    """Merge every rank's trace in `directory` into one file (default `directory/trace.json`).
+def merge_traces(
+    directory: str | Path, out: str | Path | None = None, world_size: int | None = None
+) -> Path:
+    """Merge the ranks' traces in `directory` into one file (default `directory/trace.json`).
+
+    Args:
+        directory: where the `trace_rank<N>.json` files are.
+        out: the merged file.
+        world_size: merge exactly ranks 0..world_size-1 (files left by an earlier run
+            with more ranks are ignored); None: every rank file found.
 
     Returns:
         The path of the merged file.
 
     Raises:
-        ValueError: no rank files, or one that cannot be read.
+        ValueError: no rank files (or a missing one), or one that cannot be read.
     """
     files = rank_files(directory)
+    if world_size is not None:
+        files = [rank_file(directory, rank) for rank in range(world_size)]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"expected a trace file for every rank; missing {missing}")
     events = [event for file in files for event in load_events(file)]
     out = Path(out) if out is not None else Path(directory) / MERGED_NAME
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -221,3 +221,13 @@ def test_tensorboard_scalars_when_installed(tmp_path):
     assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(1, 3.5), (2, 2.5)]
     overlap = events.Scalars("comm/overlap")[0].value
     assert overlap == pytest.approx(1 - 0.002 / 0.014, rel=1e-6)
+
+
+def test_monitor_rejects_bad_input_with_a_clear_message():
+    from lockstep import DistContext, Monitor
+
+    ctx = DistContext(0, 0, 1, 1, 0, "gloo", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"expected a lockstep\.DistributedDataParallel"):
+        Monitor(nn.Linear(2, 2), ctx)
+    with pytest.raises(ValueError, match="log_every >= 1"):
+        Monitor(nn.Linear(2, 2), ctx, log_every=0)
