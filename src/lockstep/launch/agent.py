@@ -51,14 +51,22 @@ class LockstepAgent(LocalElasticAgent):
         *args, **kwargs: as for `LocalElasticAgent` (spec, logs_specs, ...).
         grace_s: how long a node waits for the other nodes' reports after a failure.
         silence_s: a node whose heartbeat stalls this long is declared lost.
+        rdzv_timeout_s: the rendezvous' join timeout (how long joining may take).
         watchdog: told of every step forward, so a store that hangs ends the launcher.
     """
 
     def __init__(
-        self, *args: Any, grace_s: float, silence_s: float, watchdog: Watchdog, **kwargs: Any
+        self,
+        *args: Any,
+        grace_s: float,
+        silence_s: float,
+        rdzv_timeout_s: float,
+        watchdog: Watchdog,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._watchdog = watchdog
+        self._rdzv_timeout_s = rdzv_timeout_s
         self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
         self._grace_s = grace_s
         self._silence_s = silence_s
@@ -90,7 +98,7 @@ class LockstepAgent(LocalElasticAgent):
         self._stop_beating.set()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self._watchdog.pet("joining the rendezvous")
+        self._watchdog.pet("joining the rendezvous", self._rdzv_timeout_s)
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
         self._posted = False
@@ -98,7 +106,7 @@ class LockstepAgent(LocalElasticAgent):
         self._beats = {}
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._watchdog.pet("stopping the workers")
+        self._watchdog.pet("stopping the workers", self._shutdown_timeout)
         super()._stop_workers(worker_group)
         self._watchdog.pet("stopped the workers")
 
@@ -181,8 +189,12 @@ class LockstepAgent(LocalElasticAgent):
         # workers with SIGTERM, which ends a Python process even inside a collective.
         if death_sig == signal.SIGINT:
             death_sig = signal.SIGTERM
-        self._watchdog.pet("stopping the workers")
+        self._watchdog.pet("stopping the workers", timeout)
         super()._shutdown(death_sig, timeout)
+
+    def _exit_barrier(self) -> None:
+        self._watchdog.pet("waiting for the other nodes to finish", self._exit_barrier_timeout)
+        super()._exit_barrier()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         restart = self.restart_count  # the caller has counted this restart already

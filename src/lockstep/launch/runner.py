@@ -38,7 +38,6 @@ from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
-WATCHDOG_MARGIN_S = 10  # on top of the longest legitimate wait (rendezvous or shutdown)
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -97,6 +96,7 @@ def _agent(cfg: RunConfig, me: NodeInfo, watchdog: Watchdog) -> LockstepAgent:
         shutdown_timeout=cfg.shutdown_timeout_s,
         grace_s=GRACE_S,
         silence_s=max(10.0, cfg.rdzv_timeout_s / 4),
+        rdzv_timeout_s=cfg.rdzv_timeout_s,
         watchdog=watchdog,
     )
 
@@ -125,9 +125,8 @@ def run(cfg: RunConfig) -> int:
         return 1
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
-    limit = max(cfg.rdzv_timeout_s, cfg.shutdown_timeout_s) + WATCHDOG_MARGIN_S
-    watchdog = Watchdog(limit, f"{cfg.master_addr}:{cfg.master_port}")
-    watchdog.pet("connecting to the rendezvous store")
+    watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}")
+    watchdog.pet("connecting to the rendezvous store", cfg.rdzv_timeout_s)
     try:
         agent = _agent(cfg, me, watchdog)
     except (RendezvousError, dist.DistError) as error:

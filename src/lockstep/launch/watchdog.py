@@ -3,8 +3,9 @@
 A store client blocks without end when its server stops answering without closing
 the connection (node 0 frozen, a network partition, or another program listening
 on the master port), whatever timeout it was given. The launcher's main thread
-calls `pet(doing)` whenever it makes progress; if it does not for `limit_s`, the
-watchdog logs what the launcher was doing and ends the process. Workers die with
+calls `pet(doing, allow_s)` before each step; if the step takes longer than
+allowed (plus a margin), the watchdog logs what the launcher was doing and ends
+the process. Workers die with
 it (see `lockstep.launch.bootstrap`), so nothing is left behind.
 """
 
@@ -24,21 +25,26 @@ class Watchdog:
     """Ends this process when the main thread stops making progress.
 
     Args:
-        limit_s: seconds without a `pet` before giving up.
         endpoint: the rendezvous store's host:port, for the message.
+        step_s: how long a step may take when `pet` names no other bound.
+        margin_s: slack added to every bound (a loaded machine is slow).
     """
 
-    def __init__(self, limit_s: float, endpoint: str) -> None:
-        self.limit_s = limit_s
+    def __init__(self, endpoint: str, step_s: float = 30.0, margin_s: float = 10.0) -> None:
         self.endpoint = endpoint
-        self._last = time.monotonic()
+        self.step_s = step_s
+        self.margin_s = margin_s
+        self._deadline = time.monotonic() + step_s + margin_s
+        self._since = time.monotonic()
         self._doing = "starting"
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="lockstep-watchdog", daemon=True).start()
 
-    def pet(self, doing: str) -> None:
-        """Record progress; `doing` says what the main thread does next, for the message."""
-        self._last = time.monotonic()
+    def pet(self, doing: str, allow_s: float | None = None) -> None:
+        """Record progress: next comes `doing`, which may take `allow_s` (default `step_s`)."""
+        now = time.monotonic()
+        self._since = now
+        self._deadline = now + (self.step_s if allow_s is None else allow_s) + self.margin_s
         self._doing = doing
 
     def stop(self) -> None:
@@ -46,13 +52,12 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
-            stalled = time.monotonic() - self._last
-            if stalled > self.limit_s:
+            if time.monotonic() > self._deadline:
                 log.error(
                     "no progress for %.0f s while %s: the rendezvous store at %s does not "
                     "answer. Node 0 may be frozen, the network between the nodes may be cut, "
                     "or another program may listen on that port. Stopping this node.",
-                    stalled,
+                    time.monotonic() - self._since,
                     self._doing,
                     self.endpoint,
                 )
