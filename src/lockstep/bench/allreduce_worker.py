@@ -81,6 +81,8 @@ def sweep_options(ns: argparse.Namespace) -> SweepOptions:
     dtype = parse_dtype(ns.dtype, "--dtype").label
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype expects one of {', '.join(TORCH_DTYPES)}; found {ns.dtype!r}")
+    if ns.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA devices and none are visible; use gloo")
     element_size = torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
     sizes = sweep_sizes(
         parse_bytes(ns.min_bytes, "--min-bytes", unit_required=False),
