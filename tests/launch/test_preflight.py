@@ -85,15 +85,16 @@ def test_preflight_failures_are_plain_messages(hosts, tmp_path):
     logs.update({name: launcher.log() for name, launcher in own.items()})
     assert codes == [1, 1], logs
     assert [logs[name].rstrip().endswith("=== exit 1") for name in cases] == [True] * len(cases)
-    _check_messages(a, logs)
+    _check_messages(a, b, logs)
     assert not list(tmp_path.glob("pids/*")), "no worker should have started"
 
 
-def _check_messages(a, logs: dict[str, str]) -> None:
+def _check_messages(a, b, logs: dict[str, str]) -> None:
     refused = f"node 1 cannot reach the master at {a.address}:{MASTER_PORT + 1}"
     assert refused in logs["no_master"]
     assert "Connection refused" in logs["no_master"] and "firewall" in logs["no_master"]
-    assert "interface as set: GLOO_SOCKET_IFNAME=lo" in logs["no_master"]  # honoured, logged
+    honoured = f"interface {b.interface} (NCCL_SOCKET_IFNAME); GLOO_SOCKET_IFNAME=lo as set"
+    assert honoured in logs["no_master"]  # the user's choice kept, the other one filled in
     silent = f"the rendezvous store at {a.address}:{MASTER_PORT} does not answer"
     assert silent in logs["not_a_store"]
     foreign = f"master address {a.address} ({a.address}) is not an address of this machine"

@@ -68,13 +68,14 @@ def _set_worker_env(cfg: RunConfig, route: Route) -> str:
     os.environ.setdefault("OMP_NUM_THREADS", _worker_threads(cfg))
     os.environ.update(cfg.extra_env)
     chosen = read_socket_ifnames()
-    if chosen:
-        return "as set: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
-    if cfg.nnodes == 1 or route.interface is None:
-        return "not set (single node)" if cfg.nnodes == 1 else "unknown: set GLOO_SOCKET_IFNAME"
-    for name in IFNAME_VARIABLES:
-        os.environ[name] = route.interface
-    return f"{route.interface} (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)"
+    parts = [f"{name}={value} as set" for name, value in chosen.items()]
+    unset = [name for name in IFNAME_VARIABLES if name not in chosen]
+    if cfg.nnodes > 1 and route.interface is not None and unset:
+        os.environ.update({name: route.interface for name in unset})
+        parts.insert(0, f"{route.interface} ({', '.join(unset)})")
+    elif unset:
+        parts.append("not set (single node)" if cfg.nnodes == 1 else "unknown: set them")
+    return "; ".join(parts)
 
 
 def _agent(cfg: RunConfig, me: NodeInfo, watchdog: Watchdog) -> LockstepAgent:
