@@ -62,28 +62,30 @@ def _check_names(ctx) -> list[str]:
     return fails + _check_errors(ctx)
 
 
-def _check_errors(ctx) -> list[str]:
-    fails = []
+def _expect(error_type, words: list[str], what: str, *args) -> list[str]:
+    """make_allreduce(*args) must raise `error_type` with every word of `words` in it."""
     try:
-        make_allreduce("butterfly", None, 1)
-        fails.append("an unknown name was accepted")
-    except ValueError as error:
-        if not all(name in str(error) for name in ACCEPTED):
-            fails.append(f"the error does not list the accepted names: {error}")
+        make_allreduce(*args)
+    except error_type as error:
+        missing = [word for word in words if word not in str(error)]
+        return [f"{what}: the message lacks {missing}: {error}"] if missing else []
+    return [f"{what} was accepted"]
+
+
+def _check_errors(ctx) -> list[str]:
+    fails = _expect(ValueError, list(ACCEPTED), "an unknown name", "butterfly", None, 1)
+    fails += _expect(ValueError, ["local_world_size >= 1"], "local_world_size 0", "ring", None, 0)
     if ctx.world_size > 1:
-        try:
-            make_allreduce("ring" if ctx.rank == 0 else "tree", None, 1)
-            fails.append("ranks asking for different algorithms were not stopped")
-        except RankMismatchError as error:
-            if "'tree'" not in str(error) or "rank 0" not in str(error):
-                fails.append(f"the mismatch message does not say who asked what: {error}")
+        name = "ring" if ctx.rank == 0 else "tree"
+        words = ["'tree'", "'ring'", "rank 0"]
+        fails += _expect(
+            RankMismatchError, words, "different names on different ranks", name, None, 1
+        )
     if ctx.world_size == 4:
-        try:
-            make_allreduce("hierarchical", None, 3)
-            fails.append("local_world_size 3 at world size 4 was accepted")
-        except ValueError as error:
-            if "local_world_size" not in str(error):
-                fails.append(f"unclear message: {error}")
+        words = ["local_world_size", "divide"]
+        fails += _expect(
+            ValueError, words, "local_world_size 3 at world size 4", "hierarchical", None, 3
+        )
     return fails
 
 

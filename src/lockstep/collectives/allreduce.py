@@ -31,8 +31,7 @@ from lockstep.collectives._p2p import (
 )
 from lockstep.collectives.broadcast import broadcast_linear, broadcast_tree
 from lockstep.collectives.reduce import reduce_tree_
-from lockstep.collectives.ring import all_reduce_ring_pipelined
-from lockstep.collectives.scatter_gather import SEGMENT_BYTES
+from lockstep.collectives.ring import MAX_SEGMENTS, SEGMENT_BYTES, all_reduce_ring_pipelined
 
 
 def all_reduce_naive(
@@ -92,12 +91,15 @@ def all_reduce_ring(
     group: Group = None,
     workspace: Workspace | None = None,
     segment_bytes: int = SEGMENT_BYTES,
+    max_segments: int = MAX_SEGMENTS,
 ) -> None:
     """Ring reduce-scatter, then ring all-gather, pipelined segment by segment (`ring.py`).
 
     Args: as `all_reduce_naive`, and
         segment_bytes: chunks are sent in messages of about this size, so that adding one
-            segment overlaps the transfer of the next, and both directions of a link stay busy.
+            segment overlaps the transfer of the next; across nodes use
+            `ring.NETWORK_SEGMENT_BYTES`, which keeps both directions of a link busy.
+        max_segments: at most this many segments per chunk; larger chunks get larger ones.
 
     Raises:
         ValueError: the tensor is not dense and contiguous, or the op is not supported.
@@ -108,7 +110,8 @@ def all_reduce_ring(
         return
     flat = tensor.view(-1)
     segment_numel = max(1, segment_bytes // flat.element_size())
-    all_reduce_ring_pipelined(flat, op, group, workspace_or_new(workspace), segment_numel)
+    workspace = workspace_or_new(workspace)
+    all_reduce_ring_pipelined(flat, op, group, workspace, segment_numel, max_segments)
 
 
 def all_reduce_halving_doubling(

@@ -28,6 +28,7 @@ from lockstep.collectives._p2p import (
 from lockstep.collectives.allreduce import all_reduce_ring
 from lockstep.collectives.broadcast import broadcast_tree
 from lockstep.collectives.reduce import reduce_tree_
+from lockstep.collectives.ring import NETWORK_SEGMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ def all_reduce_hierarchical(
 ) -> None:
     """Tree-reduce onto each node's leader, ring all-reduce among leaders, tree-broadcast.
 
+    The leaders' ring sends `ring.NETWORK_SEGMENT_BYTES` messages: it crosses the network.
+
     Args:
         tensor: this rank's contribution; overwritten with the result on every rank.
         groups: from `make_node_groups`, made once.
@@ -137,6 +140,6 @@ def all_reduce_hierarchical(
     inner = ReduceOp.SUM if op == ReduceOp.AVG else op
     reduce_tree_(flat, 0, inner, groups.local, workspace.scratch(flat.numel(), flat))
     if groups.leaders is not None:
-        all_reduce_ring(flat, inner, groups.leaders, workspace)
+        all_reduce_ring(flat, inner, groups.leaders, workspace, NETWORK_SEGMENT_BYTES)
         finish_(flat, op, groups.size)
     broadcast_tree(tensor, 0, groups.local)

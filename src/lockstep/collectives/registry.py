@@ -22,7 +22,12 @@ from lockstep.collectives.allreduce import (
     all_reduce_ring,
     all_reduce_tree,
 )
-from lockstep.collectives.hierarchical import all_reduce_hierarchical, make_node_groups
+from lockstep.collectives.hierarchical import (
+    all_reduce_hierarchical,
+    make_node_groups,
+    node_members,
+)
+from lockstep.collectives.ring import NETWORK_SEGMENT_BYTES
 from lockstep.errors import RankMismatchError
 
 
@@ -77,8 +82,9 @@ def make_allreduce(
         name: one of "native", "naive", "tree", "ring", "halving_doubling", "hierarchical".
         process_group: the group to sum over; the default group when None. The returned
             callable communicates on it alone (and on sub-groups of it made here).
-        local_world_size: processes per node (ranks are numbered node by node); only
-            "hierarchical" uses it.
+        local_world_size: processes per node (ranks are numbered node by node).
+            "hierarchical" builds its node groups from it; "ring" sends smaller messages
+            (`ring.NETWORK_SEGMENT_BYTES`) when the group spans nodes.
 
     Returns:
         A callable that sums a tensor over the group, in place, synchronously.
@@ -86,10 +92,15 @@ def make_allreduce(
     Raises:
         RankMismatchError: the ranks passed different names or local world sizes
             (raised on every rank).
-        ValueError: the name is unknown, or local_world_size does not divide the world
-            size for "hierarchical" (raised on every rank).
+        ValueError: the name is unknown, local_world_size is below 1, or it does not
+            divide the world size for "hierarchical" (raised on every rank).
     """
     _check_agreement(name, local_world_size, process_group)
+    if local_world_size < 1:
+        raise ValueError(
+            f"make_allreduce expects local_world_size >= 1 (processes per node); found "
+            f"{local_world_size}. Pass the launcher's LOCAL_WORLD_SIZE."
+        )
     try:
         algorithm = AllReduceAlgorithm(name)
     except ValueError:
@@ -107,7 +118,7 @@ def _build(
     workspace = Workspace()
     if algorithm is AllReduceAlgorithm.HIERARCHICAL:
         world_size = dist.get_world_size()
-        if local_world_size < 1 or world_size % local_world_size:
+        if world_size % local_world_size:
             raise ValueError(
                 f"hierarchical all-reduce expects local_world_size to divide the world size "
                 f"{world_size}; found {local_world_size}. Pass the launcher's "
@@ -115,8 +126,18 @@ def _build(
             )
         groups = make_node_groups(group, local_world_size)
         return lambda tensor: all_reduce_hierarchical(tensor, groups, ReduceOp.SUM, workspace)
+    if algorithm is AllReduceAlgorithm.RING and _spans_nodes(group, local_world_size):
+        return lambda tensor: all_reduce_ring(
+            tensor, ReduceOp.SUM, group, workspace, NETWORK_SEGMENT_BYTES
+        )
     run = _FLAT[algorithm]
     return lambda tensor: run(tensor, ReduceOp.SUM, group, workspace)
+
+
+def _spans_nodes(group: Group, local_world_size: int) -> bool:
+    """True when the group's ranks run on more than one node (ranks numbered node by node)."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return len(node_members(ranks, local_world_size)) > 1
 
 
 def _check_agreement(name: str, local_world_size: int, group: Group) -> None:

@@ -27,12 +27,13 @@ from lockstep.collectives._p2p import (
     wait_all,
     workspace_or_new,
 )
+from lockstep.collectives.ring import MAX_SEGMENTS, SEGMENT_BYTES
 
-SEGMENT_BYTES = 1024 * 1024
-"""Each ring step is sent as messages of at most this size. Combining segment i then
-overlaps the transfer of segment i+1, and both directions of a TCP connection stay busy:
-over a rate-limited link, one 12.5 MB message each way took twice as long as the same
-bytes in 1 MiB pieces. Much smaller segments pay a fixed cost per message (docs/collectives.md)."""
+
+def _segment_numel(flat: torch.Tensor, bounds: list[int], segment_bytes: int) -> int:
+    """Elements per message: about segment_bytes, but at most MAX_SEGMENTS per chunk."""
+    largest = max(bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1))
+    return max(1, segment_bytes // flat.element_size(), -(-largest // MAX_SEGMENTS))
 
 
 def ring_reduce_scatter_(
@@ -54,7 +55,7 @@ def ring_reduce_scatter_(
         segment_bytes: the size of the messages a step is cut into.
     """
     rank, size = rank_and_size(group)
-    seg = max(1, segment_bytes // flat.element_size())
+    seg = _segment_numel(flat, bounds, segment_bytes)
     for step in range(size - 1):
         send_c = (rank - step - 1) % size
         recv_c = (rank - step - 2) % size
@@ -86,7 +87,7 @@ def ring_all_gather_(
         segment_bytes: the size of the messages a step is cut into.
     """
     rank, size = rank_and_size(group)
-    seg = max(1, segment_bytes // flat.element_size())
+    seg = _segment_numel(flat, bounds, segment_bytes)
     for step in range(size - 1):
         send_c = (rank - step) % size
         recv_c = (rank - step - 1) % size
