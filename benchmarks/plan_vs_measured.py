@@ -33,6 +33,7 @@ import lockstep
 from lockstep.bench.allreduce_worker import SweepOptions, run_sweep
 from lockstep.bench.sweep import result_json, sweep_sizes
 from lockstep.plan import PlanConfig, count_on_meta, full_trainable, make_plan
+from lockstep.plan.comm import ring_seconds
 from lockstep.plan.links import Link, measured_from_doc, read_measured
 from lockstep.plan.units import DType
 from lockstep.testing import run_ranks
@@ -40,15 +41,16 @@ from lockstep.testing import run_ranks
 SWEEP = SweepOptions(tuple(sweep_sizes(4096, 64 * 2**20, 2, 4)), "fp32", iters=5, warmup=1)
 
 
-def predict(name: str, world: int, link: Link) -> tuple[float, int, int]:
-    """(predicted seconds per step, payload bytes, bucket count) from the planner."""
+def predict(name: str, world: int, link: Link) -> tuple[float, int, list[float]]:
+    """(predicted seconds per step, payload bytes, predicted seconds per bucket)."""
     shape = count_on_meta(WORKLOADS[name].factory, name)
     cfg = PlanConfig(
         shape, full_trainable(shape), gpus=world, weights_dtype=DType.FP32, measured=link
     )
     plan = make_plan(cfg)
     row = next(r for r in plan.comm if r.label == "measured")
-    return row.seconds_fast, plan.payload_bytes, len(plan.buckets)
+    per_bucket = [ring_seconds(b, world, link.low_bps, link.hop_latency_s) for b in plan.buckets]
+    return row.seconds_fast, plan.payload_bytes, per_bucket
 
 
 def _train(ctx, ddp, opt, name: str, gen: torch.Generator, steps: int) -> dict:
@@ -86,59 +88,67 @@ def rank_main(ctx: lockstep.DistContext, names: list[str], args: argparse.Namesp
     return {"reps": reps, "payload_bytes": payloads}
 
 
-def busy_seconds(per_rank_spans: list[list[tuple[float, float]]]) -> float:
-    """One step's all-reduce time once every rank had launched each bucket, buckets in series.
+def busy_per_bucket(per_rank_spans: list[list[tuple[float, float]]]) -> list[float]:
+    """One step's all-reduce time per bucket once every rank had launched it, in series.
 
     Bucket i counts from the later of (the last rank's launch, bucket i-1 done everywhere)
     to its completion on the last rank: waiting for a slower peer's backward is left out.
     """
-    total, previous_done = 0.0, float("-inf")
+    busy, previous_done = [], float("-inf")
     for bucket in zip(*per_rank_spans, strict=True):
         launched = max(launch for launch, _ in bucket)
         done = max(d for _, d in bucket)
-        total += done - max(launched, previous_done)
+        busy.append(done - max(launched, previous_done))
         previous_done = done
-    return total
+    return busy
+
+
+def _rep(results: list[dict], i: int, name: str) -> tuple[float, list[float]]:
+    """Repetition i: (engine comm_seconds, busy seconds per bucket), medians over steps."""
+    comm = statistics.mean(statistics.median(r["reps"][i][name]["comm_s"]) for r in results)
+    steps = zip(*(r["reps"][i][name]["spans"] for r in results), strict=True)
+    per_step = [busy_per_bucket(list(step)) for step in steps]
+    return comm, [statistics.median(col) for col in zip(*per_step, strict=True)]
 
 
 def summarize(results: list[dict], name: str, world: int, fixed: Link | None) -> dict:
     """Per repetition: prediction from that repetition's sweep against the engine's figures."""
-    predicted, comm, busy, ratios = [], [], [], []
+    pred, comm, busy, bucket_ratios, bw = [], [], [], [], []
     for i, rep0 in enumerate(results[0]["reps"]):
         link = fixed or measured_from_doc(rep0["sweep"], "sweep")
-        seconds, payload, plan_buckets = predict(name, world, link)
-        c = statistics.mean(statistics.median(r["reps"][i][name]["comm_s"]) for r in results)
-        steps = zip(*(r["reps"][i][name]["spans"] for r in results), strict=True)
-        b = statistics.median(busy_seconds(list(step)) for step in steps)
-        predicted.append(seconds)
+        seconds, payload, per_bucket = predict(name, world, link)
+        c, b = _rep(results, i, name)
+        pred.append(seconds)
         comm.append(c)
-        busy.append(b)
-        ratios.append((c / seconds, b / seconds, link.low_bps))
+        busy.append(sum(b))
+        bucket_ratios.append([m / p for m, p in zip(b, per_bucket, strict=True)])
+        bw.append(link.low_bps)
     assert results[0]["payload_bytes"][name] == payload, "planner and engine payloads differ"
     return {
         "name": name,
         "payload_bytes": payload,
-        "buckets": f"{plan_buckets} / {results[0]['reps'][0][name]['buckets']}",
-        "busbw_GBps": statistics.median(r[2] for r in ratios) / 1e9,
-        "predicted_ms": 1e3 * statistics.median(predicted),
+        "buckets": f"{len(per_bucket)} / {results[0]['reps'][0][name]['buckets']}",
+        "busbw_GBps": statistics.median(bw) / 1e9,
+        "predicted_ms": 1e3 * statistics.median(pred),
         "comm_ms": 1e3 * statistics.median(comm),
         "busy_ms": 1e3 * statistics.median(busy),
-        "comm_ratio": [statistics.median(r[0] for r in ratios), *_range(r[0] for r in ratios)],
-        "busy_ratio": [statistics.median(r[1] for r in ratios), *_range(r[1] for r in ratios)],
+        "comm_ratio": _spread([c / p for c, p in zip(comm, pred, strict=True)]),
+        "busy_ratio": _spread([b / p for b, p in zip(busy, pred, strict=True)]),
+        "bucket_busy_ratio": [statistics.median(col) for col in zip(*bucket_ratios, strict=True)],
     }
 
 
-def _range(values) -> tuple[float, float]:
-    values = list(values)
-    return min(values), max(values)
+def _spread(values: list[float]) -> list[float]:
+    """[median, min, max]."""
+    return [statistics.median(values), min(values), max(values)]
 
 
 def table(rows: list[dict]) -> str:
     lines = [
         "| workload | payload (MB) | buckets plan / engine | busbw (GB/s) | predicted (ms) "
         "| engine comm_seconds (ms) | ratio median (min-max) | busy after last launch (ms) "
-        "| ratio median (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ratio median (min-max) | busy / predicted per bucket, launch order |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cr, br = r["comm_ratio"], r["busy_ratio"]
@@ -146,7 +156,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['name']} | {r['payload_bytes'] / 1e6:.2f} | {r['buckets']} | "
             f"{r['busbw_GBps']:.3f} | {r['predicted_ms']:.2f} | {r['comm_ms']:.2f} | "
             f"{cr[0]:.2f} ({cr[1]:.2f}-{cr[2]:.2f}) | {r['busy_ms']:.2f} | "
-            f"{br[0]:.2f} ({br[1]:.2f}-{br[2]:.2f}) |"
+            f"{br[0]:.2f} ({br[1]:.2f}-{br[2]:.2f}) | "
+            f"{', '.join(f'{x:.2f}' for x in r['bucket_busy_ratio'])} |"
         )
     return "\n".join(lines)
 
