@@ -31,10 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="launch a training script on this node's workers",
         description="Launch SCRIPT (or -m MODULE) once per worker, with RANK, WORLD_SIZE, ... set.",
     )
-    run.add_argument("--nnodes", type=int, help="nodes in the job (default 1, or Slurm's)")
-    run.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes)")
-    run.add_argument("--master-addr", help="address of node 0, which hosts the rendezvous")
-    run.add_argument("--master-port", type=int, help="its port; 0 or omitted: a free one")
+    _placement_flags(run)
     run.add_argument(
         "--nproc-per-node",
         default="auto",
@@ -48,6 +45,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="restart the whole group (every node) up to this many times after a failure",
     )
     run.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run the target as a module, like `python -m`",
+    )
+    run.add_argument("target", help="the script (or module with -m) to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=main)
+
+
+def _placement_flags(run: argparse.ArgumentParser) -> None:
+    """Where this node sits in the job and how it finds the others."""
+    run.add_argument("--nnodes", type=int, help="nodes in the job (default 1, or Slurm's)")
+    run.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes)")
+    run.add_argument("--master-addr", help="address of node 0, which hosts the rendezvous")
+    run.add_argument("--master-port", type=int, help="its port; 0 or omitted: a free one")
+    run.add_argument(
         "--rdzv-timeout",
         type=int,
         default=120,
@@ -57,15 +71,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--local-addr",
         help="this node's address as the others reach it (default: the one routed to the master)",
     )
-    run.add_argument(
-        "-m",
-        dest="module",
-        action="store_true",
-        help="run the target as a module, like `python -m`",
-    )
-    run.add_argument("target", help="the script (or module with -m) to run")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    run.set_defaults(handler=main)
 
 
 def _placement(ns: argparse.Namespace) -> dict[str, str | int]:
