@@ -10,13 +10,16 @@ with each other are neighbours and share whatever else the machine is doing.
 The monitor is in its most expensive setting: optimizer timed through its
 hooks, a log line and JSONL records every 10 steps of training (the interval's
 losses all-reduced), the Chrome trace recorded every step, a straggler
-all-gather every 50 steps. Reported per workload: median step time off and on,
-and their ratio (per block of 10 + 10 steps; median and range over blocks); and
-the direct cost: the CPU time of the process inside `Monitor.step()` (its own
-work, the interval's all-reduce and JSONL write, the straggler exchange; not the
-time spent blocked waiting for a slower rank, which the next gradient all-reduce
-would wait anyway), averaged over the calls, as a share of the median step time
-off. The trace's file is written at `close()`, outside the timed steps.
+all-gather every 50 steps. Reported per workload, for the steps with the
+monitor off and on: the median wall time and the median CPU time of the process
+(all its threads: gloo's included; time spent blocked, waiting for the other
+rank or for a core the machine's other jobs hold, is not CPU time), and their
+on/off ratios per block of 10 + 10 steps (median and range over blocks). The
+wall ratio also moves waiting around: the interval's loss all-reduce makes a
+rank wait for a slower peer in an "on" step rather than in the next gradient
+all-reduce. Last, the direct cost: the CPU time inside `Monitor.step()`,
+averaged over the calls, as a share of the median CPU time of a step without it.
+The trace's file is written at `close()`, outside the timed steps.
 """
 
 from __future__ import annotations
@@ -55,19 +58,20 @@ class Trainer:
         gen = torch.Generator().manual_seed(100 + ctx.rank)
         self.batches = [self.workload.batch(gen) for _ in range(4)]
 
-    def run(self, warmup: int, steps: int) -> tuple[list[float], list[float], list[float]]:
-        """Step times with the Monitor off and on, and the CPU time of each Monitor.step()."""
+    def run(self, warmup: int, steps: int) -> dict[str, list[float]]:
+        """Wall and CPU times of the steps with the Monitor off and on, and of Monitor.step()."""
         monitor = lockstep.Monitor(
             self.ddp, self.ctx, optimizer=self.opt, log_every=5, log_dir=self.out,
             trace=Path(self.out) / "trace", straggler_every=25, progress=False,
             stream=io.StringIO(),
         )  # fmt: skip
-        off, on, cpu = [], [], []
+        times: dict[str, list[float]] = {k: [] for k in ("off", "on", "cpu_off", "cpu_on")}
+        inside = []
         dist.barrier()
         for i in range(warmup + steps):
             x, y = self.batches[i % len(self.batches)]
             observed = ON_PATTERN[i % len(ON_PATTERN)]
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = self.workload.loss(self.ddp(x), y)
             loss.backward()
             self.opt.step()
@@ -75,52 +79,60 @@ class Trainer:
             if observed:
                 before = time.process_time()
                 monitor.step(loss, batch_size=len(x))
-                cpu.append(time.process_time() - before)
+                inside.append(time.process_time() - before)
             if i >= warmup:
-                (on if observed else off).append(time.perf_counter() - start)
+                kind = "on" if observed else "off"
+                times[kind].append(time.perf_counter() - start)
+                times[f"cpu_{kind}"].append(time.process_time() - cpu_start)
         monitor.close()
-        return off, on, cpu[warmup // 2 :]
+        return {**times, "inside": inside[warmup // 2 :]}
 
 
 def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    results = {}
-    with tempfile.TemporaryDirectory(prefix=f"observe-cost-{ctx.rank}-") as out:
-        for name in args.workloads:
-            off, on, cpu = Trainer(ctx, name, out).run(args.warmup, args.steps)
-            results[name] = {"off": off, "on": on, "cpu": cpu}
-    return results
-
-
-def summarize(raw: dict, block: int = 10) -> dict:
-    """Rank 0's timings -> the reported figures (milliseconds, ratios, shares)."""
-    off, on, cpu = raw["off"], raw["on"], raw["cpu"]
-    ratios = [
-        statistics.median(on[i : i + block]) / statistics.median(off[i : i + block])
-        for i in range(0, min(len(on), len(off)) - block + 1, block)
-    ]
     return {
-        "ms_off": 1e3 * statistics.median(off),
-        "ms_on": 1e3 * statistics.median(on),
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "us_cpu_mean": 1e6 * statistics.fmean(cpu),
-        "share": statistics.fmean(cpu) / statistics.median(off),
+        name: Trainer(ctx, name, args.out).run(args.warmup, args.steps) for name in args.workloads
     }
+
+
+def _block_ratios(on: list[float], off: list[float], block: int = 10) -> list[float]:
+    n = min(len(on), len(off))
+    return [
+        statistics.median(on[i : i + block]) / statistics.median(off[i : i + block])
+        for i in range(0, n - block + 1, block)
+    ]
+
+
+def summarize(raw: dict) -> dict:
+    """Rank 0's timings -> the reported figures (milliseconds, ratios, shares)."""
+    wall = _block_ratios(raw["on"], raw["off"])
+    cpu = _block_ratios(raw["cpu_on"], raw["cpu_off"])
+    cpu_off = statistics.median(raw["cpu_off"])
+    return {
+        "ms": (1e3 * statistics.median(raw["off"]), 1e3 * statistics.median(raw["on"])),
+        "cpu_ms": (1e3 * cpu_off, 1e3 * statistics.median(raw["cpu_on"])),
+        "wall_ratio": (statistics.median(wall), min(wall), max(wall)),
+        "cpu_ratio": (statistics.median(cpu), min(cpu), max(cpu)),
+        "us_inside": 1e6 * statistics.fmean(raw["inside"]),
+        "share": statistics.fmean(raw["inside"]) / cpu_off,
+    }
+
+
+def _ratio(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
 
 
 def table(rows: dict[str, dict]) -> str:
     lines = [
-        "| workload | ms/step off | ms/step on | ratio on/off, median (min-max) of blocks "
-        "| Monitor.step() CPU us, mean | cost share of a step |",
-        "|---|---|---|---|---|---|",
+        "| workload | wall ms/step off / on | wall ratio on/off | CPU ms/step off / on "
+        "| CPU ratio on/off | Monitor.step() CPU us | share of a step's CPU time |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         lines.append(
-            f"| {name} | {r['ms_off']:.2f} | {r['ms_on']:.2f} | {r['ratio_median']:.3f} "
-            f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {r['us_cpu_mean']:.0f} "
-            f"| {r['share']:.2%} |"
+            f"| {name} | {r['ms'][0]:.1f} / {r['ms'][1]:.1f} | {_ratio(r['wall_ratio'])} | "
+            f"{r['cpu_ms'][0]:.1f} / {r['cpu_ms'][1]:.1f} | {_ratio(r['cpu_ratio'])} | "
+            f"{r['us_inside']:.0f} | {r['share']:.2%} |"
         )
     return "\n".join(lines)
 
@@ -133,7 +145,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps, half of them on")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
-    results = run_ranks(rank_main, args.world_size, args, deadline_s=3600, timeout_s=600)
+    with tempfile.TemporaryDirectory(prefix="observe-cost-") as out:  # shared by the ranks
+        args.out = out
+        results = run_ranks(rank_main, args.world_size, args, deadline_s=3600, timeout_s=600)
     print(f"world size {args.world_size}, gloo, 1 thread per rank")
     print(table({name: summarize(results[0][name]) for name in args.workloads}))
 

@@ -102,6 +102,7 @@ def measure(
             step, samples, step_seconds, data_seconds, 0.0, 0.0, 0.0, optimizer_seconds,
             0.0, 0.0, 1.0, 0, 0, (), synced=False,
         )  # fmt: skip
+    span = stats.comm_span_seconds
     return StepMetrics(
         step=step,
         samples=samples,
@@ -112,7 +113,7 @@ def measure(
         exposed_seconds=stats.exposed_seconds,
         optimizer_seconds=optimizer_seconds,
         comm_seconds=stats.comm_seconds,
-        comm_span_seconds=stats.comm_span_seconds,
+        comm_span_seconds=span,
         overlap=stats.overlap,
         payload_bytes=stats.payload_bytes,
         wire_bytes=stats.wire_bytes,

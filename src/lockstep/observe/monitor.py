@@ -148,7 +148,7 @@ class Monitor:
         """Record the step that just ended; call on every rank after `optimizer.step()`.
 
         Args:
-            loss: the step's loss on this rank (a tensor is read lazily, once per interval).
+            loss: the step's loss on this rank, a scalar (a tensor is read once per interval).
             batch_size: samples this rank processed in the step; samples/s counts all ranks.
 
         Returns:
@@ -216,16 +216,13 @@ class Monitor:
         """One all-reduce for the whole interval; None where no loss was given."""
         if all(loss is None for loss in losses):
             return [None] * len(losses)
-        device = next((x.device for x in losses if torch.is_tensor(x)), self.ctx.device)
-        values = torch.stack(
-            [
-                x.reshape(()).to(device, torch.float64)
-                if torch.is_tensor(x)
-                else torch.tensor(math.nan if x is None else float(x), dtype=torch.float64,
-                                  device=device)
-                for x in losses
-            ]
-        )  # fmt: skip
+        tensors = [x.detach().reshape(()) for x in losses if torch.is_tensor(x)]
+        if len(tensors) == len(losses):  # the usual case: one op, no host sync yet
+            values = torch.stack(tensors).to(torch.float64)
+        else:
+            device = tensors[0].device if tensors else self.ctx.device
+            plain = [math.nan if x is None else float(x) for x in losses]
+            values = torch.tensor(plain, dtype=torch.float64, device=device)
         if self.ctx.world_size > 1:
             dist.all_reduce(values, group=self.group)
             values /= self.ctx.world_size
