@@ -7,10 +7,10 @@ Each rank trains a benchmark workload (benchmarks/workloads.py) with lockstep's
 DistributedDataParallel and SGD, one thread per rank, and calls `Monitor.step()`
 after half of the steps, in the pattern on/off/off/on, so that steps compared
 with each other are neighbours and share whatever else the machine is doing.
-The monitor is in its most expensive setting: optimizer timed through its
-hooks, a log line and JSONL records every 10 steps of training (the interval's
-losses all-reduced), the Chrome trace recorded every step, a straggler
-all-gather every 50 steps. Reported per workload, for the steps with the
+The monitor runs with everything on: the optimizer timed through its hooks, a
+log line and JSONL records every 10 calls (the interval's losses all-reduced),
+the Chrome trace recorded at every call, and a straggler
+all-gather every 50 calls. Reported per workload, for the steps with the
 monitor off and on: the median wall time and the median CPU time of the process
 (all its threads: gloo's included; time spent blocked, waiting for the other
 rank or for a core the machine's other jobs hold, is not CPU time), and their
@@ -18,7 +18,8 @@ on/off ratios per block of 10 + 10 steps (median and range over blocks). The
 wall ratio also moves waiting around: the interval's loss all-reduce makes a
 rank wait for a slower peer in an "on" step rather than in the next gradient
 all-reduce. Last, the direct cost: the CPU time inside `Monitor.step()`,
-averaged over the calls, as a share of the median CPU time of a step without it.
+averaged over the calls (so the flushes and exchanges are spread as in a run
+that calls it every step), as a share of the median CPU time of a step without it.
 The trace's file is written at `close()`, outside the timed steps.
 """
 
@@ -47,8 +48,9 @@ ON_PATTERN = (True, False, False, True)  # on/off/off/on: neighbours share the m
 class Trainer:
     """One DDP replica of a workload, trained with a Monitor that is called on half the steps.
 
-    The monitor counts its own calls, so log_every=5 and straggler_every=25 mean every
-    10 and every 50 steps of training.
+    The monitor counts its own calls: every 10th call flushes, every 50th exchanges
+    straggler data, so the mean cost of a call is the cost per step of a run that
+    calls it every step with log_every=10 and straggler_every=50.
     """
 
     def __init__(self, ctx: lockstep.DistContext, name: str, out: str) -> None:
@@ -61,8 +63,8 @@ class Trainer:
     def run(self, warmup: int, steps: int) -> dict[str, list[float]]:
         """Wall and CPU times of the steps with the Monitor off and on, and of Monitor.step()."""
         monitor = lockstep.Monitor(
-            self.ddp, self.ctx, optimizer=self.opt, log_every=5, log_dir=self.out,
-            trace=Path(self.out) / "trace", straggler_every=25, progress=False,
+            self.ddp, self.ctx, optimizer=self.opt, log_every=10, log_dir=self.out,
+            trace=Path(self.out) / "trace", straggler_every=50, progress=False,
             stream=io.StringIO(),
         )  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in ("off", "on", "cpu_off", "cpu_on")}
@@ -142,7 +144,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=200, help="timed steps, half of them on")
+    parser.add_argument("--steps", type=int, default=400, help="timed steps, half of them on")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory(prefix="observe-cost-") as out:  # shared by the ranks
