@@ -9,7 +9,7 @@ gradients, `lockstep.shard` gives each rank its share of the text windows,
 `lockstep.Checkpointer` saves every `--checkpoint-every` steps and at the end, and a
 re-run resumes from the last checkpoint and trains `--steps` more. `lockstep.Monitor`
 prints (rank 0 only) a progress bar and a line per interval with loss, samples/s and
-overlap %, a straggler check every 50 steps, and writes under `--out`:
+overlap %, a straggler check every 100 steps, and writes under `--out`:
 metrics.jsonl, trace/ (Chrome trace per rank and merged: open trace/trace.json in
 Perfetto), timeline.png (the last steps, one lane per rank) and loss.png. At the end
 every rank checksums its parameters and the checksums are compared across ranks.
@@ -35,12 +35,12 @@ from lockstep.observe import ReplicaCheck, check_replicas, plot_loss, plot_timel
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--steps", type=int, default=300, help="steps to train in this run (default 300)")
+    add("--steps", type=int, default=500, help="steps to train in this run (default 500)")
     add("--batch-size", type=int, default=16, help="windows per rank per step (default 16)")
     add("--context", type=int, default=64, help="characters per window (default 64)")
     add("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
-    add("--log-every", type=int, default=25, help="steps per log line (default 25)")
-    add("--checkpoint-every", type=int, default=100, help="steps per checkpoint (default 100)")
+    add("--log-every", type=int, default=50, help="steps per log line (default 50)")
+    add("--checkpoint-every", type=int, default=250, help="steps per checkpoint (default 250)")
     add("--max-bytes", type=int, default=2_000_000, help="characters of stdlib text to read")
     add("--out", default="runs/gpt_demo", help="output directory (default runs/gpt_demo)")
     add("--seed", type=int, default=0)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir=args.out,
         trace=Path(args.out) / "trace",
         trace_steps=20,
-        straggler_every=50,
+        straggler_every=100,
     )
     began = time.perf_counter()
     train(args, t, monitor, start, end)
