@@ -62,7 +62,7 @@ def test_straggler_report_names_the_slowed_rank():
     slow_model, slow_data = reports[1], reports[2]
     assert slow_model.rank == 1 and slow_model.significant
     assert slow_model.wait_seconds >= SLEEP_S / 2
-    assert slow_model.last_share == 1.0
+    assert slow_model.last_share >= 0.75
     assert "rank 1 made the others wait" in slow_model.describe()
     assert slow_data.rank == 0 and slow_data.significant
     assert slow_data.wait_seconds >= SLEEP_S / 2
