@@ -3,14 +3,15 @@
     lockstep run --nnodes 2 ... benchmarks/collectives_topology_worker.py allreduce \
         --algorithms ring,hierarchical,native --size 25MB --iters 8 --iface veth0 --out DIR
     lockstep run --nnodes 2 ... benchmarks/collectives_topology_worker.py train \
-        --mode lora --steps 10 --out DIR --label lora-2x2
+        --steps 12 --out DIR --label train-2x2
 
 `allreduce`: each algorithm in turn (blocks ABC then CBA), every call behind a
 barrier; the slowest rank's time per call; and, read on each node's local rank 0,
 the bytes its inter-node interface sent and received during the block.
-`train`: the small GPT of benchmarks/workloads.py, fully trainable or with LoRA
-adapters (rank 8 on every Linear of the blocks, everything else frozen), wrapped
-in lockstep.DistributedDataParallel; the median step time (slowest rank) is kept.
+`train`: the small GPT of benchmarks/workloads.py, fully trainable and with LoRA
+adapters (rank 8 on every Linear of the blocks, everything else frozen), each in
+lockstep.DistributedDataParallel, one step of each in turn; the median step time
+(slowest rank) of each is kept.
 """
 
 from __future__ import annotations
@@ -112,26 +113,35 @@ def build_model(mode: str) -> nn.Module:
 
 
 def run_train(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
-    """Median step time (slowest rank) of the small GPT, full or LoRA, under the engine."""
+    """Median step time (slowest rank) of the small GPT, full and LoRA, steps alternating.
+
+    Both models train in the same job, one step of each in turn, so a change in the
+    machine's load hits both alike.
+    """
     workload = WORKLOADS["gpt-5m"]
-    model = build_model(args.mode)
-    ddp = lockstep.DistributedDataParallel(model, allreduce=args.allreduce)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=1e-3)
+    runs = {}
+    for mode in ("full", "lora"):
+        model = build_model(mode)
+        ddp = lockstep.DistributedDataParallel(model, allreduce=args.allreduce)
+        params = [p for p in model.parameters() if p.requires_grad]
+        runs[mode] = (ddp, torch.optim.SGD(params, lr=1e-3), params, [])
     gen = torch.Generator().manual_seed(ctx.rank)
-    times = []
     for step in range(args.warmup + args.steps):
-        inputs, targets = workload.batch(gen)
-        start = time.perf_counter()
-        workload.loss(ddp(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        for ddp, optimizer, _, times in runs.values():
+            inputs, targets = workload.batch(gen)
+            start = time.perf_counter()
+            workload.loss(ddp(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
     return {
-        "median_step_s": statistics.median(_slowest(times)),
-        "trainable_params": sum(p.numel() for p in params),
-        "gradient_bytes": sum(p.numel() * p.element_size() for p in params),
+        mode: {
+            "median_step_s": statistics.median(_slowest(times)),
+            "trainable_params": sum(p.numel() for p in params),
+            "gradient_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
+        for mode, (_, _, params, times) in runs.items()
     }
 
 
@@ -142,9 +152,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=int, default=25_000_000, help="bytes (fp32)")
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--iface", default=None, help="the inter-node interface to count")
-    parser.add_argument("--mode", choices=["full", "lora"], default="full")
     parser.add_argument("--allreduce", default="native", help="the engine's all-reduce")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", required=True)

@@ -25,11 +25,11 @@ from lockstep.collectives._p2p import (
     wait_all,
 )
 
-SEGMENT_BYTES = 16 * 1024 * 1024
-"""Ring messages inside one node: few and large. Each message has a fixed cost, and with
-the cores busy, overlapping the additions buys little: on 2 busy cores over gloo, a
-64 MiB ring at world size 2 ran at about 1.0 x native in one message per chunk and
-0.85 x in 1 MiB messages (docs/collectives.md)."""
+SEGMENT_BYTES = 2 * 1024 * 1024
+"""Ring messages inside one node: not below this size, since each message has a fixed
+cost. Measured at world size 2 over gloo on 2 CPU cores (docs/collectives.md): for a
+4 MiB tensor, 4 or 8 segments per chunk ran at 0.5-0.67 x native, 1 or 2 at 0.8-0.9 x;
+for 64 MiB, 8 segments of 4 MiB at 0.92-1.06 x, 2 of 16 MiB at 0.74-0.95 x."""
 
 NETWORK_SEGMENT_BYTES = 1024 * 1024
 """Ring messages between nodes. With two ranks, both directions share one TCP connection;
