@@ -7,7 +7,7 @@ This is examples/train_single.py plus the lines that data parallelism needs:
 join the job, wrap the model, give each rank its share of the data (the global
 batch divided by the world size), and print from rank 0 only. The Checkpointer
 line is unchanged: only rank 0 writes, after every epoch, to runs/digits/train_ddp,
-and a re-run (`make demo` again) resumes from it, at any world size.
+and a re-run resumes from it, at any world size.
 """
 
 from __future__ import annotations
