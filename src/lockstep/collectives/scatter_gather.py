@@ -5,8 +5,8 @@ Reduce-scatter: in each of N-1 steps every rank sends one chunk's partial result
 to its right neighbour and adds the one arriving from its left; afterwards rank r
 holds chunk r reduced over all ranks. All-gather: N-1 more steps pass the
 finished chunks around the ring until every rank has all of them. Each rank
-sends (N-1)/N of the tensor per half. In a training step the pair makes up the
-ring all-reduce of a gradient bucket (see `allreduce.all_reduce_ring`).
+sends (N-1)/N of the tensor per half. The ring all-reduce of a gradient bucket
+runs the same two halves as one pipeline (`ring.py`); here they stand alone.
 """
 
 from __future__ import annotations
