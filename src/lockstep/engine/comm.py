@@ -17,10 +17,17 @@ import torch
 import torch.distributed as dist
 
 NATIVE = "native"
+CALLBACK_GRACE_S = 1.0
 
 
 class _Stamped:
-    """A handle that records when its all-reduce finished."""
+    """A handle that records when its all-reduce finished.
+
+    The stamp is a Python callback that the backend's thread runs just after the
+    work completes, which can be a moment after `work.wait()` returns. `wait()`
+    therefore also waits for the stamp: no callback may still be pending when the
+    step ends, or one could fire while the interpreter shuts down (which aborts).
+    """
 
     def __init__(self, work: dist.Work) -> None:
         self.work = work
@@ -32,8 +39,12 @@ class _Stamped:
 
     def wait(self) -> None:
         self.work.wait()
-        if not self.done_at:
-            self.done_at = time.perf_counter()
+        give_up = time.perf_counter() + CALLBACK_GRACE_S
+        while not self.done_at:
+            if time.perf_counter() > give_up:
+                self.done_at = time.perf_counter()
+                break
+            time.sleep(0)  # let the backend's thread take the GIL and run the stamp
 
 
 class _Threaded:
