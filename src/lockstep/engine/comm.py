@@ -17,34 +17,32 @@ import torch
 import torch.distributed as dist
 
 NATIVE = "native"
-CALLBACK_GRACE_S = 1.0
 
 
 class _Stamped:
-    """A handle that records when its all-reduce finished.
+    """A handle on a native all-reduce that notes when it was seen finished.
 
-    The stamp is a Python callback that the backend's thread runs just after the
-    work completes, which can be a moment after `work.wait()` returns. `wait()`
-    therefore also waits for the stamp: no callback may still be pending when the
-    step ends, or one could fire while the interpreter shuts down (which aborts).
+    No Python callback is attached to the backend's future: such a callback needs
+    the GIL on the backend's own thread, which stalls the next all-reduce while
+    backward holds the GIL, and may fire during interpreter shutdown. Instead the
+    reducer polls `is_completed()` at each gradient hook, so the stamp is taken at
+    the first hook (or the final wait) after completion: a close upper bound.
     """
 
     def __init__(self, work: dist.Work) -> None:
         self.work = work
         self.done_at = 0.0
-        work.get_future().add_done_callback(self._stamp)
 
-    def _stamp(self, _fut: torch.futures.Future) -> None:
-        self.done_at = time.perf_counter()
+    def poll(self) -> bool:
+        """Stamp and return True if the all-reduce has finished."""
+        if not self.done_at and self.work.is_completed():
+            self.done_at = time.perf_counter()
+        return bool(self.done_at)
 
     def wait(self) -> None:
         self.work.wait()
-        give_up = time.perf_counter() + CALLBACK_GRACE_S
-        while not self.done_at:
-            if time.perf_counter() > give_up:
-                self.done_at = time.perf_counter()
-                break
-            time.sleep(0)  # let the backend's thread take the GIL and run the stamp
+        if not self.done_at:
+            self.done_at = time.perf_counter()
 
 
 class _Threaded:
@@ -53,6 +51,11 @@ class _Threaded:
     def __init__(self, future: Future) -> None:
         self.future = future
         self.done_at = 0.0
+
+    def poll(self) -> bool:
+        if not self.done_at and self.future.done():
+            self.done_at = self.future.result()
+        return bool(self.done_at)
 
     def wait(self) -> None:
         self.done_at = self.future.result()

@@ -48,7 +48,8 @@ class Reducer:
         self.comm = comm
         self.group = comm.process_group
         self.world_size = dist.get_world_size(self.group)
-        self._inv_world = 1.0 / self.world_size
+        # A 0-dim tensor: multiplying by it costs less per call than by a Python float.
+        self._inv_world = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
         self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
@@ -75,9 +76,12 @@ class Reducer:
             Bucket.build(b, [self.params[i] for i in idx], idx) for b, idx in enumerate(layout)
         ]
         self.slot: list[tuple[Bucket, int]] = [(self.buckets[0], 0)] * len(self.params)
+        self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
+        self._view_of: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
         for bucket in self.buckets:
             for pos, i in enumerate(bucket.param_indices):
                 self.slot[i] = (bucket, pos)
+                self._bucket_of[i], self._view_of[i] = bucket, bucket.views[pos]
                 grad = self.params[i].grad
                 if self.grad_as_view and grad is not None:
                     bucket.views[pos].copy_(grad)
@@ -116,56 +120,72 @@ class Reducer:
         """Arm the hooks for a synchronised backward; `unused` are parameters to pre-mark."""
         self._expect_sync = True
         self._callback_queued = False
+        self._scale = self.comm_hook is None and self.world_size > 1
         self._next_bucket = 0
         self._unused_to_mark = unused
         self._forward = (forward_start, forward_end)
         self._marked = [False] * len(self.params)
         self._used = [False] * len(self.params)
         self._without_grad: list[int] = []
+        self._in_flight: list = []  # native all-reduces not yet seen finished, oldest first
         for bucket in self.buckets:
             bucket.reset()
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(_param: torch.Tensor) -> None:
+        def hook(param: torch.Tensor) -> None:
             if self._expect_sync:
-                self._on_ready(index)
+                if not self._callback_queued:
+                    self._start_backward()
+                self._used[index] = True
+                self._mark_ready(index, param)
 
         return hook
 
-    def _on_ready(self, index: int) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            for unused in self._unused_to_mark:
-                self._mark_ready(unused)
-        self._used[index] = True
-        self._mark_ready(index)
+    def _start_backward(self) -> None:
+        """At the first hook of a backward: queue finalize, pre-mark unused parameters."""
+        self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for unused in self._unused_to_mark:
+            self._mark_ready(unused, self.params[unused])
 
-    def _mark_ready(self, index: int) -> None:
+    def _mark_ready(self, index: int, param: torch.Tensor) -> None:
         """Put the gradient in its slot; launch the bucket if it was the last one missing.
 
-        This is the hot path (once per parameter per step), so it stays flat: the
-        1/N scaling is done once per bucket at launch, not once per gradient.
+        This is the hot path (once per parameter per step), so it stays flat. The
+        gradient is scaled by 1/N while it is copied, as torch DDP does: one pass
+        over the bytes, and the same float32 results. A comm hook averages itself.
         """
         if self._marked[index]:
             raise self._twice_error(index)
         self._marked[index] = True
         if not self._rebuilt:
             self._ready_order.append(index)
-        bucket, pos = self.slot[index]
-        view, param = bucket.views[pos], self.params[index]
+        view = self._view_of[index]
         grad = param.grad
         if grad is None:
             view.zero_()
             self._without_grad.append(index)
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+        elif grad.data_ptr() == view.data_ptr():
+            if self._scale:
+                view.div_(self.world_size)
+        else:
+            if self._scale:
+                torch.mul(grad, self._inv_world, out=view)
+            else:
+                view.copy_(grad)
             if self.grad_as_view:
                 param.grad = view
+        bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.times.ready = time.perf_counter()
             self._launch_ready_buckets()
+        if self._in_flight:
+            self._poll_in_flight()
+
+    def _poll_in_flight(self) -> None:
+        while self._in_flight and self._in_flight[0].poll():
+            self._in_flight.pop(0)
 
     def _twice_error(self, index: int) -> LockstepError:
         return LockstepError(
@@ -182,9 +202,8 @@ class Reducer:
                 return
             bucket.times.launched = time.perf_counter()
             if self.comm_hook is None:
-                if self.world_size > 1:  # average as torch DDP does: x (1/N), then sum
-                    bucket.buffer.mul_(self._inv_world)
                 bucket.handle = self.comm.all_reduce(bucket.buffer)
+                self._in_flight.append(bucket.handle)
             else:
                 is_last = self._next_bucket == len(self.buckets) - 1
                 bucket.handle = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
