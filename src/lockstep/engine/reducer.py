@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lockstep.engine.bucket import Bucket, GradBucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.comm import Communicator
-from lockstep.engine.stats import BucketRecord, StepStats, ring_wire_bytes
+from lockstep.engine.stats import StepMarks, StepStats, step_stats
 from lockstep.errors import LockstepError, UnusedParametersError
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -270,34 +270,11 @@ class Reducer:
 
     def _stats(self, backward_end: float, finalize_end: float) -> StepStats:
         start, forward_end = self._forward
-        records = tuple(
-            BucketRecord(
-                b.index,
-                b.nbytes,
-                len(b.params),
-                b.times.ready - start,
-                b.times.launched - start,
-                b.times.done - start,
-            )
-            for b in self.buckets
-        )
-        payload = sum(b.nbytes for b in self.buckets)
         # A hook that compresses reports what it really sent; otherwise the full buffers went.
         take_sent = getattr(self.comm_state, "take_sent_bytes", None)
-        sent = take_sent() if self.comm_hook is not None and take_sent else payload
-        wire = ring_wire_bytes(sent, self.world_size)
-        return StepStats(
-            step=self.steps,
-            world_size=self.world_size,
-            forward_seconds=forward_end - start,
-            backward_seconds=backward_end - forward_end,
-            payload_bytes=payload,
-            wire_bytes=wire,
-            comm_seconds=sum(r.comm_seconds for r in records),
-            exposed_seconds=finalize_end - backward_end,
-            buckets=records,
-            start=start,
-        )
+        sent = take_sent() if self.comm_hook is not None and take_sent else None
+        marks = StepMarks(start, forward_end, backward_end, finalize_end)
+        return step_stats(self.steps, self.world_size, self.buckets, marks, sent)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

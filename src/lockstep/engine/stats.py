@@ -10,7 +10,12 @@ per bucket, so it is always on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.engine.bucket import Bucket
 
 
 def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:
@@ -78,3 +83,51 @@ class StepStats:
         if not self.buckets:
             return 0.0
         return max(b.done for b in self.buckets) - min(b.launched for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class StepMarks:
+    """perf_counter() readings of one step: forward start and end, backward end, finalize end."""
+
+    start: float
+    forward_end: float
+    backward_end: float
+    finalize_end: float
+
+
+def step_stats(
+    step: int,
+    world_size: int,
+    buckets: Sequence[Bucket],
+    marks: StepMarks,
+    sent_bytes: int | None = None,
+) -> StepStats:
+    """Assemble a step's figures from its buckets' stamps.
+
+    Args:
+        sent_bytes: what a comm hook handed to collectives; None means the buffers.
+    """
+    records = tuple(
+        BucketRecord(
+            b.index,
+            b.nbytes,
+            len(b.params),
+            b.times.ready - marks.start,
+            b.times.launched - marks.start,
+            b.times.done - marks.start,
+        )
+        for b in buckets
+    )
+    payload = sum(b.nbytes for b in buckets)
+    return StepStats(
+        step=step,
+        world_size=world_size,
+        forward_seconds=marks.forward_end - marks.start,
+        backward_seconds=marks.backward_end - marks.forward_end,
+        payload_bytes=payload,
+        wire_bytes=ring_wire_bytes(payload if sent_bytes is None else sent_bytes, world_size),
+        comm_seconds=sum(r.comm_seconds for r in records),
+        exposed_seconds=marks.finalize_end - marks.backward_end,
+        buckets=records,
+        start=marks.start,
+    )
