@@ -85,15 +85,28 @@ def main(argv: list[str]) -> None:
     try:
         target()
     except SystemExit as exit_:
-        if exit_.code not in (None, 0):
-            record(exit_)
-        raise
+        if exit_.code in (None, 0):
+            raise
+        record(exit_)
+        _exit_now(exit_.code if isinstance(exit_.code, int) else 1)
     except BaseException as exc:
         text = record(exc)
         rank = os.environ.get("RANK", "?")
         sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
-        sys.stderr.flush()
-        sys.exit(1)
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once after a failure, skipping interpreter teardown.
+
+    A failed worker usually still holds a process group whose peer has gone, or a
+    collective in flight; tearing that down during interpreter shutdown can abort
+    the process ("terminate called without an active exception"), which would
+    replace the real exit code with SIGABRT. The error is already recorded.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
