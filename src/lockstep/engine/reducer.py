@@ -75,12 +75,10 @@ class Reducer:
         self.buckets = [
             Bucket.build(b, [self.params[i] for i in idx], idx) for b, idx in enumerate(layout)
         ]
-        self.slot: list[tuple[Bucket, int]] = [(self.buckets[0], 0)] * len(self.params)
         self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
         self._view_of: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
         for bucket in self.buckets:
             for pos, i in enumerate(bucket.param_indices):
-                self.slot[i] = (bucket, pos)
                 self._bucket_of[i], self._view_of[i] = bucket, bucket.views[pos]
                 grad = self.params[i].grad
                 if self.grad_as_view and grad is not None:
@@ -246,16 +244,16 @@ class Reducer:
             # Every gradient that reached its slot already points there.
             for index in self._without_grad:
                 if index not in globally_unused:
-                    self.params[index].grad = self.slot[index][0].views[self.slot[index][1]]
+                    self.params[index].grad = self._view_of[index]
             return
         for index, param in enumerate(self.params):
             if index in globally_unused:
                 continue
-            bucket, pos = self.slot[index]
+            view = self._view_of[index]
             if param.grad is None:
-                param.grad = bucket.views[pos].clone()
+                param.grad = view.clone()
             else:
-                param.grad.copy_(bucket.views[pos])
+                param.grad.copy_(view)
 
     def _unfinished_message(self) -> str:
         missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
