@@ -108,3 +108,42 @@ def test_stopping_the_launcher_leaves_no_worker_behind(tmp_path, stop, nproc):
     while live_workers(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_workers(tmp_path) == []
+
+
+SHUTDOWN_PROBE = """\
+import atexit, os, sys, torch, lockstep
+import torch.distributed as dist
+
+
+def report():
+    tasks = "/proc/self/task"
+    threads = sorted(open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks))
+    print(f"rank {ctx.rank} threads after shutdown: {threads}", flush=True)
+
+
+ctx = lockstep.init()
+torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
+dist.all_reduce(torch.ones(3))
+if sys.argv[1] == "shutdown":
+    lockstep.shutdown()
+    report()
+else:  # the script forgets shutdown(): the launcher's bootstrap leaves the group
+    atexit.register(report)
+"""
+
+
+@pytest.mark.parametrize("ending", ["shutdown", "forgotten"])
+def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp_path, ending):
+    """An optimizer made after init() must not keep the group (and its gloo threads) alive.
+
+    Threads still running while the interpreter shuts down made a worker that had
+    trained correctly die with SIGABRT, now and then.
+    """
+    script = tmp_path / "probe.py"
+    script.write_text(SHUTDOWN_PROBE)
+    launcher = Launcher(["--nproc-per-node", "2", str(script), ending], tmp_path / "launcher.log")
+    assert launcher.wait(timeout=150) == 0, launcher.log()
+    reports = [line for line in launcher.log().splitlines() if "threads after shutdown" in line]
+    assert len(reports) == 2, launcher.log()
+    for report in reports:
+        assert "gloo" not in report, report

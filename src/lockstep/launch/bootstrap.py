@@ -86,6 +86,7 @@ def main(argv: list[str]) -> None:
         target()
     except SystemExit as exit_:
         if exit_.code in (None, 0):
+            _leave_groups()
             raise
         record(exit_)
         _exit_now(exit_.code if isinstance(exit_.code, int) else 1)
@@ -94,6 +95,18 @@ def main(argv: list[str]) -> None:
         rank = os.environ.get("RANK", "?")
         sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
         _exit_now(1)
+    _leave_groups()
+
+
+def _leave_groups() -> None:
+    """Destroy the process groups a script that finished left open.
+
+    A group alive during interpreter shutdown still runs its backend's threads,
+    which can abort the process after training succeeded.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exit_now(code: int) -> None:
