@@ -37,6 +37,10 @@ class Bucket:
     pending: int = 0
     handle: object | None = None
     times: BucketTimes = field(default_factory=BucketTimes)
+    # Slots whose gradient this step was copied in / found already there (a bucket
+    # view); both still unscaled until the bucket is complete (see Reducer._average).
+    copied: list[torch.Tensor] = field(default_factory=list)
+    found_in_place: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -60,6 +64,8 @@ class Bucket:
         self.pending = len(self.params)
         self.handle = None
         self.times = BucketTimes()
+        self.copied = []
+        self.found_in_place = []
 
     def mark_done(self) -> None:
         self.times.done = time.perf_counter()

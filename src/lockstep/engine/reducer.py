@@ -1,9 +1,10 @@
 """`Reducer`: the part of backward where data parallelism happens.
 
 One post-accumulate-grad hook per parameter marks its gradient ready: the
-gradient is scaled by 1/world_size into its slot of a bucket (or found there
-already, with gradient_as_bucket_view). When a bucket's last gradient arrives
-the bucket is complete, and buckets are launched strictly in index order, so
+gradient is copied into its slot of a bucket (or found there already, with
+gradient_as_bucket_view). When a bucket's last gradient arrives the bucket is
+complete: it is scaled by 1/world_size in one pass over its flat buffer, and
+buckets are launched strictly in index order, so
 every rank issues the same all-reduces in the same order. The first hook of a
 backward queues `_finalize` on the autograd engine; it runs when autograd has
 no work left, waits for the all-reduces and leaves averaged gradients in `.grad`.
@@ -149,9 +150,10 @@ class Reducer:
     def _mark_ready(self, index: int, param: torch.Tensor) -> None:
         """Put the gradient in its slot; launch the bucket if it was the last one missing.
 
-        This is the hot path (once per parameter per step), so it stays flat. The
-        gradient is scaled by 1/N while it is copied, as torch DDP does: one pass
-        over the bytes, and the same float32 results. A comm hook averages itself.
+        This is the hot path (once per parameter per step), so it stays flat: one
+        copy at most, no arithmetic. Scaling by 1/N waits until the bucket is
+        complete (`_average`), one kernel per bucket rather than per gradient,
+        which is what a Python hook can least afford. A comm hook averages itself.
         """
         if self._marked[index]:
             raise self._twice_error(index)
@@ -159,21 +161,20 @@ class Reducer:
         if not self._rebuilt:
             self._ready_order.append(index)
         view = self._view_of[index]
+        bucket = self._bucket_of[index]
         grad = param.grad
         if grad is None:
             view.zero_()
             self._without_grad.append(index)
         elif grad.data_ptr() == view.data_ptr():
             if self._scale:
-                view.div_(self.world_size)
+                bucket.found_in_place.append(view)
         else:
+            view.copy_(grad)
             if self._scale:
-                torch.mul(grad, self._inv_world, out=view)
-            else:
-                view.copy_(grad)
+                bucket.copied.append(view)
             if self.grad_as_view:
                 param.grad = view
-        bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.times.ready = time.perf_counter()
@@ -198,6 +199,8 @@ class Reducer:
             bucket = self.buckets[self._next_bucket]
             if bucket.pending:
                 return
+            if self._scale:
+                self._average(bucket)
             bucket.times.launched = time.perf_counter()
             if self.comm_hook is None:
                 bucket.handle = self.comm.all_reduce(bucket.buffer)
@@ -206,6 +209,26 @@ class Reducer:
                 is_last = self._next_bucket == len(self.buckets) - 1
                 bucket.handle = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
             self._next_bucket += 1
+
+    def _average(self, bucket: Bucket) -> None:
+        """Scale the complete bucket's gradients by 1/N before its all-reduce sums them.
+
+        Torch DDP's arithmetic, done per bucket rather than per gradient: a copied
+        gradient is multiplied by 1/N, one found in place (a bucket view) is divided
+        by N. When every gradient of the bucket arrived the same way (the steady
+        state), one kernel over the flat buffer does it, with the same bits as one
+        kernel per gradient; zero-filled slots stay zero either way.
+        """
+        copied, in_place = bucket.copied, bucket.found_in_place
+        if not in_place:
+            bucket.buffer.mul_(self._inv_world)
+        elif not copied:
+            bucket.buffer.div_(self.world_size)
+        else:
+            for view in copied:
+                view.mul_(self._inv_world)
+            for view in in_place:
+                view.div_(self.world_size)
 
     # ------------------------------------------------------------- finalize
     def _finalize(self) -> None:
