@@ -1,13 +1,13 @@
 """Averaging arithmetic at a world size where 1/N is inexact: bitwise equal to torch DDP.
 
-The engine scales each complete bucket by 1/N before the all-reduce sums it
-(one kernel per bucket, `Reducer._average`), where torch DDP scales each
-gradient as it arrives: a copied gradient is multiplied by 1/N, one found in
-place in its bucket view is divided by N. At N = 3, x * (1/3) and x / 3 differ in
-the last bit for some x, so only the same operation on each slot gives the same
-bits. Every rank trains on the same batch, so the sum of the N scaled copies is
-the same whatever order the backend adds them in: any difference left is the
-scaling's.
+Like torch DDP, the engine multiplies a copied gradient by 1/N and divides one
+found in place (in its bucket view) by N; unlike it, the division waits until
+the bucket is complete and then runs once over the flat buffer
+(`Reducer._divide_in_place`). At N = 3, x * (1/3) and x / 3 differ in the last
+bit for some x, and the multiplier's rounding depends on the dtype, so only the
+same operation in the same math type gives the same bits. Every rank trains on
+the same batch, so the sum of the N scaled copies is the same whatever order the
+backend adds them in: any difference left is the scaling's.
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ STEPS = 3
 # How each step's gradients reach the hooks, per parameter: left in place from
 # the last step (zero_grad(set_to_none=False)), fresh tensors (set_to_none=True),
 # or both within one bucket (one parameter's gradient dropped before backward).
+# The multiplier's rounding depends on the dtype, so the copied way runs in each.
 WAYS = {
-    "in_place": {"set_to_none": False, "drop": ()},
-    "copied": {"set_to_none": True, "drop": ()},
-    "mixed": {"set_to_none": False, "drop": ("net.2.weight",)},
+    "in_place": {"set_to_none": False, "drop": (), "dtype": torch.float32},
+    "copied": {"set_to_none": True, "drop": (), "dtype": torch.float32},
+    "mixed": {"set_to_none": False, "drop": ("net.2.weight",), "dtype": torch.float32},
+    "copied_bf16": {"set_to_none": True, "drop": (), "dtype": torch.bfloat16},
+    "copied_fp64": {"set_to_none": True, "drop": (), "dtype": torch.float64},
+    "in_place_bf16": {"set_to_none": False, "drop": (), "dtype": torch.bfloat16},
 }
 
 
 def _train(engine: str, way: str, rank: int) -> dict[str, torch.Tensor]:
-    model = build("mlp")
+    dtype = WAYS[way]["dtype"]
+    model = build("mlp").to(dtype)
     if rank == 1:  # a different start: the wrap's broadcast must fix it
         with torch.no_grad():
             for p in model.parameters():
@@ -52,6 +57,7 @@ def _train(engine: str, way: str, rank: int) -> dict[str, torch.Tensor]:
             if name in WAYS[way]["drop"]:
                 p.grad = None
         x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+        x, y = x.to(dtype), y.to(dtype)
         ((wrapped(x) - y) ** 2).mean().backward()
         for name, p in model.named_parameters():
             out[f"step{step}.grad.{name}"] = p.grad.detach().clone()

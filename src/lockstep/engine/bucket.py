@@ -37,9 +37,9 @@ class Bucket:
     pending: int = 0
     handle: object | None = None
     times: BucketTimes = field(default_factory=BucketTimes)
-    # Slots whose gradient this step was copied in / found already there (a bucket
-    # view); both still unscaled until the bucket is complete (see Reducer._average).
-    copied: list[torch.Tensor] = field(default_factory=list)
+    # This step: gradients copied in already scaled by 1/N, and slots whose gradient
+    # was found in place (a bucket view), divided at launch (Reducer._divide_in_place).
+    scaled_copies: int = 0
     found_in_place: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
@@ -64,7 +64,7 @@ class Bucket:
         self.pending = len(self.params)
         self.handle = None
         self.times = BucketTimes()
-        self.copied = []
+        self.scaled_copies = 0
         self.found_in_place = []
 
     def mark_done(self) -> None:

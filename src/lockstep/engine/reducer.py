@@ -1,9 +1,9 @@
 """`Reducer`: the part of backward where data parallelism happens.
 
 One post-accumulate-grad hook per parameter marks its gradient ready: the
-gradient is copied into its slot of a bucket (or found there already, with
-gradient_as_bucket_view). When a bucket's last gradient arrives the bucket is
-complete: it is scaled by 1/world_size in one pass over its flat buffer, and
+gradient is scaled by 1/world_size into its slot of a bucket (or found there
+already, with gradient_as_bucket_view, and divided with the whole bucket when it
+is complete). When a bucket's last gradient arrives the bucket is complete, and
 buckets are launched strictly in index order, so
 every rank issues the same all-reduces in the same order. The first hook of a
 backward queues `_finalize` on the autograd engine; it runs when autograd has
@@ -49,8 +49,13 @@ class Reducer:
         self.comm = comm
         self.group = comm.process_group
         self.world_size = dist.get_world_size(self.group)
-        # A 0-dim tensor: multiplying by it costs less per call than by a Python float.
-        self._inv_world = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
+        # 1/N as 0-dim tensors (cheaper per call than a Python float), indexed by
+        # "the bucket is float64": the CPU kernels read the multiplier in the op's
+        # own math type (float for float32/16 buckets), so these give torch DDP's bits.
+        self._inv_world = [
+            torch.tensor(1.0 / self.world_size, dtype=dtype)
+            for dtype in (torch.float32, torch.float64)
+        ]
         self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
@@ -150,10 +155,11 @@ class Reducer:
     def _mark_ready(self, index: int, param: torch.Tensor) -> None:
         """Put the gradient in its slot; launch the bucket if it was the last one missing.
 
-        This is the hot path (once per parameter per step), so it stays flat: one
-        copy at most, no arithmetic. Scaling by 1/N waits until the bucket is
-        complete (`_average`), one kernel per bucket rather than per gradient,
-        which is what a Python hook can least afford. A comm hook averages itself.
+        This is the hot path (once per parameter per step), so it stays flat. A
+        copied gradient is scaled by 1/N while it is copied, as torch DDP does (one
+        pass over the bytes); one found in place is divided with the rest of its
+        bucket at launch (`_divide_in_place`), one kernel per bucket rather than
+        per gradient. A comm hook averages itself.
         """
         if self._marked[index]:
             raise self._twice_error(index)
@@ -170,9 +176,11 @@ class Reducer:
             if self._scale:
                 bucket.found_in_place.append(view)
         else:
-            view.copy_(grad)
-            if self._scale:
-                bucket.copied.append(view)
+            if self._scale:  # one pass: scaled while copied, as torch DDP does
+                torch.mul(grad, self._inv_world[view.dtype == torch.float64], out=view)
+                bucket.scaled_copies += 1
+            else:
+                view.copy_(grad)
             if self.grad_as_view:
                 param.grad = view
         bucket.pending -= 1
@@ -199,8 +207,8 @@ class Reducer:
             bucket = self.buckets[self._next_bucket]
             if bucket.pending:
                 return
-            if self._scale:
-                self._average(bucket)
+            if bucket.found_in_place:
+                self._divide_in_place(bucket)
             bucket.times.launched = time.perf_counter()
             if self.comm_hook is None:
                 bucket.handle = self.comm.all_reduce(bucket.buffer)
@@ -210,24 +218,18 @@ class Reducer:
                 bucket.handle = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
             self._next_bucket += 1
 
-    def _average(self, bucket: Bucket) -> None:
-        """Scale the complete bucket's gradients by 1/N before its all-reduce sums them.
+    def _divide_in_place(self, bucket: Bucket) -> None:
+        """Divide by N the gradients the hooks found in place (in their bucket views).
 
-        Torch DDP's arithmetic, done per bucket rather than per gradient: a copied
-        gradient is multiplied by 1/N, one found in place (a bucket view) is divided
-        by N. When every gradient of the bucket arrived the same way (the steady
-        state), one kernel over the flat buffer does it, with the same bits as one
-        kernel per gradient; zero-filled slots stay zero either way.
+        Torch DDP divides each such gradient in its hook; here it waits until the
+        bucket is complete. When no gradient of the bucket was copied in (already
+        scaled), one division over the flat buffer does it: one kernel instead of
+        one per gradient, the same bits, and zero-filled slots stay zero.
         """
-        copied, in_place = bucket.copied, bucket.found_in_place
-        if not in_place:
-            bucket.buffer.mul_(self._inv_world)
-        elif not copied:
+        if bucket.scaled_copies == 0:
             bucket.buffer.div_(self.world_size)
         else:
-            for view in copied:
-                view.mul_(self._inv_world)
-            for view in in_place:
+            for view in bucket.found_in_place:
                 view.div_(self.world_size)
 
     # ------------------------------------------------------------- finalize
