@@ -33,6 +33,7 @@ format: install
 
 bench: install
 	$(BIN)/python benchmarks/engine_vs_torch.py
+	$(BIN)/python benchmarks/hook_cost.py
 	$(BIN)/python benchmarks/observe_cost.py
 
 clean:
