@@ -4,10 +4,10 @@ One post-accumulate-grad hook per parameter marks its gradient ready: the
 gradient is scaled by 1/world_size into its slot of a bucket (or found there
 already, with gradient_as_bucket_view, and divided with the whole bucket when it
 is complete). When a bucket's last gradient arrives the bucket is complete, and
-buckets are launched strictly in index order, so
-every rank issues the same all-reduces in the same order. The first hook of a
-backward queues `_finalize` on the autograd engine; it runs when autograd has
-no work left, waits for the all-reduces and leaves averaged gradients in `.grad`.
+buckets are launched strictly in index order, so every rank issues the same
+all-reduces in the same order. The first hook of a backward queues `_finalize`
+on the autograd engine; it runs when autograd has no work left, waits for the
+all-reduces and leaves averaged gradients in `.grad`.
 After the first synchronised step the buckets are rebuilt once, in the order
 gradients really became ready (rank 0's order, broadcast to all).
 """
