@@ -147,3 +147,31 @@ def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp
     assert len(reports) == 2, launcher.log()
     for report in reports:
         assert "gloo" not in report, report
+
+
+ABORTING = """\
+import os, lockstep
+
+
+def crash_in_native_code():
+    os.abort()  # what a C++ std::terminate does
+
+
+ctx = lockstep.init()
+if ctx.rank == 1:
+    crash_in_native_code()
+lockstep.shutdown()
+"""
+
+
+def test_a_native_crash_shows_the_python_stack_where_it_happened(tmp_path):
+    script = tmp_path / "aborting.py"
+    script.write_text(ABORTING)
+    launcher = Launcher(["--nproc-per-node", "2", str(script)], tmp_path / "launcher.log")
+    assert launcher.wait(timeout=150) == 1
+    log = launcher.log()
+    assert "Fatal Python error: Aborted" in log
+    assert 'aborting.py", line 5 in crash_in_native_code' in log
+    summary = log[log.index("lockstep run: training failed") :]
+    assert "rank 1" in summary and "SIGABRT" in summary
+    assert "Fatal Python error" in summary  # the summary says where to look

@@ -6,12 +6,14 @@ exactly as under plain `python`. If it raises, the exception and its traceback g
 to the error file that torch.distributed.elastic gives every worker
 (TORCHELASTIC_ERROR_FILE), so the launcher can print the real cause: no decorator
 for the user to add. The worker asks the kernel to kill it if the launcher (PID)
-dies, so a launcher killed with SIGKILL leaves no worker behind.
+dies, so a launcher killed with SIGKILL leaves no worker behind. A worker killed
+by a fatal signal from native code prints the Python stack of every thread first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import runpy
@@ -81,6 +83,9 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--parent"]:
         _die_with(int(argv[1]))
         argv = argv[2:]
+    # A crash in native code (SIGABRT, SIGSEGV) raises nothing to record: print every
+    # thread's Python stack to stderr instead, so the launcher's log shows where it was.
+    faulthandler.enable(all_threads=True)
     target = _target(argv)
     try:
         target()

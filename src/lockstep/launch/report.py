@@ -125,7 +125,11 @@ def summarize(reports: dict[int, NodeReport], nnodes: int, node_rank: int) -> st
         if first.traceback:
             lines += ["      " + line for line in first.traceback]
         else:
-            lines.append("      (no Python traceback: the process died without raising)")
+            lines.append(
+                "      (no Python traceback: the process died without raising; after a "
+                "crash in native code, such as SIGABRT or SIGSEGV, the worker's log above "
+                "shows each thread's Python stack under 'Fatal Python error')"
+            )
     else:
         lines.append(f"  cause: {cause_line(reports, nnodes)}")
     return "\n".join(lines + _others(reports, first, nnodes))
