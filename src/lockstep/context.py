@@ -15,6 +15,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any group exists, on purpose. This module declares
+# `group=group.WORLD` default arguments, evaluated at its first import; torch._dynamo
+# imports it, and every optimizer imports torch._dynamo. Imported after the group
+# exists, those defaults would keep the group alive after destroy_process_group(),
+# its gloo threads still running while the interpreter shuts down, and a worker
+# that trained correctly could die with SIGABRT ("terminate called without an
+# active exception"). Imported here, with lockstep, the defaults are None.
+import torch.distributed.nn.functional
+
 from lockstep.env import LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
 
@@ -119,22 +128,7 @@ def _agree_with_group(launch: LaunchEnv) -> LaunchEnv:
     return LaunchEnv("group", rank, rank, world_size, world_size, 0, "", 0)
 
 
-def _import_before_the_group_exists() -> None:
-    """Import the torch modules that capture the default group in a default argument.
-
-    `torch.distributed.nn.functional` declares `group=group.WORLD` defaults, which
-    are evaluated when the module is first imported. torch._dynamo imports it, and
-    every optimizer imports torch._dynamo; imported after the group exists, those
-    defaults keep the group alive after `destroy_process_group()`, so its gloo
-    threads still run while the interpreter shuts down, and a worker that trained
-    correctly can die with SIGABRT ("terminate called without an active
-    exception"). Imported first, the defaults are None.
-    """
-    import torch.distributed.nn.functional  # noqa: F401
-
-
 def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
-    _import_before_the_group_exists()
     if launch.world_size == 1:
         # A group of one needs no rendezvous: an in-memory store is enough.
         dist.init_process_group(

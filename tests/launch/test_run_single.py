@@ -6,6 +6,7 @@ nodes in test_multinode.py.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -118,21 +119,25 @@ import torch.distributed as dist
 def report():
     tasks = "/proc/self/task"
     threads = sorted(open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks))
-    print(f"rank {ctx.rank} threads after shutdown: {threads}", flush=True)
+    os.write(1, f"rank {rank} threads after shutdown: {threads}\\n".encode())
 
 
-ctx = lockstep.init()
+if sys.argv[1] == "own_group":  # the script makes the group itself, after import lockstep
+    dist.init_process_group("gloo")
+else:
+    lockstep.init()
+rank = dist.get_rank()
 torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
 dist.all_reduce(torch.ones(3))
-if sys.argv[1] == "shutdown":
-    lockstep.shutdown()
-    report()
-else:  # the script forgets shutdown(): the launcher's bootstrap leaves the group
+if sys.argv[1] == "forgotten":  # no shutdown(): the launcher's bootstrap leaves the group
     atexit.register(report)
+else:
+    dist.destroy_process_group()
+    report()
 """
 
 
-@pytest.mark.parametrize("ending", ["shutdown", "forgotten"])
+@pytest.mark.parametrize("ending", ["shutdown", "forgotten", "own_group"])
 def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp_path, ending):
     """An optimizer made after init() must not keep the group (and its gloo threads) alive.
 
@@ -143,10 +148,11 @@ def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp
     script.write_text(SHUTDOWN_PROBE)
     launcher = Launcher(["--nproc-per-node", "2", str(script), ending], tmp_path / "launcher.log")
     assert launcher.wait(timeout=150) == 0, launcher.log()
-    reports = [line for line in launcher.log().splitlines() if "threads after shutdown" in line]
-    assert len(reports) == 2, launcher.log()
-    for report in reports:
-        assert "gloo" not in report, report
+    # Both ranks write to the same log: find each report wherever it landed.
+    reports = dict(re.findall(r"rank (\d) threads after shutdown: (\[[^\]]*\])", launcher.log()))
+    assert sorted(reports) == ["0", "1"], launcher.log()
+    for rank, threads in reports.items():
+        assert "gloo" not in threads, f"rank {rank}: {threads}"
 
 
 ABORTING = """\
