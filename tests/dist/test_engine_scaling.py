@@ -3,7 +3,7 @@
 Like torch DDP, the engine multiplies a copied gradient by 1/N and divides one
 found in place (in its bucket view) by N; unlike it, the division waits until
 the bucket is complete and then runs once over the flat buffer
-(`Reducer._divide_in_place`). At N = 3, x * (1/3) and x / 3 differ in the last
+(`Bucket.divide_found_in_place`). At N = 3, x * (1/3) and x / 3 differ in the last
 bit for some x, and the multiplier's rounding depends on the dtype, so only the
 same operation in the same math type gives the same bits. Every rank trains on
 the same batch, so the sum of the N scaled copies is the same whatever order the

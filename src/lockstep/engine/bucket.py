@@ -37,23 +37,44 @@ class Bucket:
     pending: int = 0
     handle: object | None = None
     times: BucketTimes = field(default_factory=BucketTimes)
+    world_size: int = 1
+    # 1/N as a 0-dim tensor (cheaper per call than a Python float). The CPU kernels
+    # read it in the op's math type (float for float32/16 buckets, double for
+    # float64), as torch DDP's wrapped double scalar, so the bits are torch's.
+    inv_world: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
     # This step: gradients copied in already scaled by 1/N, and slots whose gradient
-    # was found in place (a bucket view), divided at launch (Reducer._divide_in_place).
+    # was found in place (a bucket view), divided at launch (`divide_found_in_place`).
     scaled_copies: int = 0
     found_in_place: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def build(
-        cls, index: int, params: list[torch.nn.Parameter], param_indices: list[int]
+        cls,
+        index: int,
+        params: list[torch.nn.Parameter],
+        param_indices: list[int],
+        world_size: int,
     ) -> Bucket:
         """Allocate a zeroed buffer for `params` and one view per parameter, shaped like it."""
         numel = sum(p.numel() for p in params)
-        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        dtype = params[0].dtype
+        buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
         views, offset = [], 0
         for param in params:
             views.append(buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        return cls(index, params, param_indices, buffer, views, pending=len(params))
+        inv_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        inv_world = torch.tensor(1.0 / world_size, dtype=inv_dtype)
+        return cls(
+            index,
+            params,
+            param_indices,
+            buffer,
+            views,
+            len(params),
+            world_size=world_size,
+            inv_world=inv_world,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +87,20 @@ class Bucket:
         self.times = BucketTimes()
         self.scaled_copies = 0
         self.found_in_place = []
+
+    def divide_found_in_place(self) -> None:
+        """Divide by N the gradients found in place (in their views), before the sum.
+
+        Torch DDP divides each such gradient in its hook; here it waits until the
+        bucket is complete. When no gradient of the bucket was copied in (already
+        scaled), one division over the flat buffer does it: one kernel instead of
+        one per gradient, the same bits, and zero-filled slots stay zero.
+        """
+        if self.scaled_copies == 0:
+            self.buffer.div_(self.world_size)
+        else:
+            for view in self.found_in_place:
+                view.div_(self.world_size)
 
     def mark_done(self) -> None:
         self.times.done = time.perf_counter()

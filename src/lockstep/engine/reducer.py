@@ -49,13 +49,6 @@ class Reducer:
         self.comm = comm
         self.group = comm.process_group
         self.world_size = dist.get_world_size(self.group)
-        # 1/N as 0-dim tensors (cheaper per call than a Python float), indexed by
-        # "the bucket is float64": the CPU kernels read the multiplier in the op's
-        # own math type (float for float32/16 buckets), so these give torch DDP's bits.
-        self._inv_world = [
-            torch.tensor(1.0 / self.world_size, dtype=dtype)
-            for dtype in (torch.float32, torch.float64)
-        ]
         self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
@@ -79,7 +72,8 @@ class Reducer:
     def _build(self, layout: list[list[int]]) -> None:
         self.layout = layout
         self.buckets = [
-            Bucket.build(b, [self.params[i] for i in idx], idx) for b, idx in enumerate(layout)
+            Bucket.build(b, [self.params[i] for i in idx], idx, self.world_size)
+            for b, idx in enumerate(layout)
         ]
         self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
         self._view_of: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
@@ -158,7 +152,7 @@ class Reducer:
         This is the hot path (once per parameter per step), so it stays flat. A
         copied gradient is scaled by 1/N while it is copied, as torch DDP does (one
         pass over the bytes); one found in place is divided with the rest of its
-        bucket at launch (`_divide_in_place`), one kernel per bucket rather than
+        bucket at launch (`Bucket.divide_found_in_place`), one kernel per bucket rather than
         per gradient. A comm hook averages itself.
         """
         if self._marked[index]:
@@ -177,7 +171,7 @@ class Reducer:
                 bucket.found_in_place.append(view)
         else:
             if self._scale:  # one pass: scaled while copied, as torch DDP does
-                torch.mul(grad, self._inv_world[view.dtype == torch.float64], out=view)
+                torch.mul(grad, bucket.inv_world, out=view)
                 bucket.scaled_copies += 1
             else:
                 view.copy_(grad)
@@ -208,7 +202,7 @@ class Reducer:
             if bucket.pending:
                 return
             if bucket.found_in_place:
-                self._divide_in_place(bucket)
+                bucket.divide_found_in_place()
             bucket.times.launched = time.perf_counter()
             if self.comm_hook is None:
                 bucket.handle = self.comm.all_reduce(bucket.buffer)
@@ -217,20 +211,6 @@ class Reducer:
                 is_last = self._next_bucket == len(self.buckets) - 1
                 bucket.handle = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
             self._next_bucket += 1
-
-    def _divide_in_place(self, bucket: Bucket) -> None:
-        """Divide by N the gradients the hooks found in place (in their bucket views).
-
-        Torch DDP divides each such gradient in its hook; here it waits until the
-        bucket is complete. When no gradient of the bucket was copied in (already
-        scaled), one division over the flat buffer does it: one kernel instead of
-        one per gradient, the same bits, and zero-filled slots stay zero.
-        """
-        if bucket.scaled_copies == 0:
-            bucket.buffer.div_(self.world_size)
-        else:
-            for view in bucket.found_in_place:
-                view.div_(self.world_size)
 
     # ------------------------------------------------------------- finalize
     def _finalize(self) -> None:
