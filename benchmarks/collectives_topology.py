@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/collectives_topology.py --rate 1gbit --out /tmp/topology
 
-Two network namespaces joined by a veth pair (lockstep.netns.two_hosts) play the
+Two network namespaces joined by a veth pair (lockstep.testing.netns.two_hosts) play the
 two nodes; `tc` limits each direction of the link to --rate. On them `lockstep
 run --nnodes 2 --nproc-per-node 2` starts benchmarks/collectives_topology_worker.py:
 1. all-reduce of a 25 MB fp32 tensor with the flat ring, the hierarchical
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from lockstep.netns import Host, two_hosts, unavailable_reason
+from lockstep.testing.netns import Host, two_hosts, unavailable_reason
 
 WORKER = str(Path(__file__).with_name("collectives_topology_worker.py"))
 PORT = 29561  # inside our own namespaces: nothing else listens there

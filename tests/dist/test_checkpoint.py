@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lockstep import Checkpointer, rng
-from lockstep.checkpoint_files import FORMAT_KEY, FORMAT_VERSION, POINTS
+from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION, POINTS
 from lockstep.errors import CheckpointError
 from lockstep.testing import RankFailure, run_ranks
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.checkpoint_state import unwrap
+from lockstep.checkpoint.state import unwrap
 from lockstep.testing import run_ranks
 
 N_SAMPLES, BATCH, TOTAL = 23, 4, 10

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from lockstep.netns import NetnsUnavailable, two_hosts, unavailable_reason
+from lockstep.testing.netns import NetnsUnavailable, two_hosts, unavailable_reason
 
 
 def _install_iproute2() -> None:

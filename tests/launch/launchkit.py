@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.netns import Host
+from lockstep.testing.netns import Host
 
 TRAIN = str(Path(__file__).with_name("train_tiny.py"))
 MASTER_PORT = 29555  # inside our own namespaces, so no other job can hold it

@@ -19,7 +19,7 @@ import pytest
 import torch
 from launchkit import TRAIN, Launcher, final_params, live_workers, two_nodes, wait_all, wait_for
 
-from lockstep.netns import Host, two_hosts
+from lockstep.testing.netns import Host, two_hosts
 
 pytestmark = pytest.mark.netns
 STEPS = 6

@@ -1,4 +1,4 @@
-"""`lockstep.netns`: two hosts on one machine, their link counters, and a rate-limited link."""
+"""`lockstep.testing.netns`: two hosts on one machine, link counters, a rate-limited link."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lockstep.netns import NetnsUnavailable, delay_ms, rate_bits, shape, two_hosts
+from lockstep.testing.netns import NetnsUnavailable, delay_ms, rate_bits, shape, two_hosts
 
 pytestmark = pytest.mark.netns
 PAYLOAD = 1_000_000

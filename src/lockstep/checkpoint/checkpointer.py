@@ -2,7 +2,7 @@
 
 `save()` is called on every rank after a step: the ranks send their random
 generator states to rank 0, rank 0 writes one file atomically (see
-`lockstep.checkpoint_files`), and the other ranks wait at a barrier until it is
+`lockstep.checkpoint.files`), and the other ranks wait at a barrier until it is
 done. `restore()` is called on every rank before training: rank 0 finds the
 newest valid checkpoint, each rank loads it onto its own device and takes back
 its own generator state. A problem found on one rank is raised on every rank.
@@ -19,9 +19,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep import rng
-from lockstep.checkpoint_files import CheckpointFiles
-from lockstep.checkpoint_state import build_payload, device_of, load_component, load_model
+from lockstep.checkpoint import rng
+from lockstep.checkpoint.files import CheckpointFiles
+from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.data.agreement import group_place
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError

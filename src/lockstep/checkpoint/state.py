@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from lockstep.checkpoint_files import FORMAT_KEY, FORMAT_VERSION
+from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION
 from lockstep.errors import CheckpointError
 
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)

@@ -1,0 +1,90 @@
+"""Print a SHA-256 of the engine's final parameters, gradients and buffers per parity scenario.
+
+A refactor that must not change numerics is checked by running this before and
+after it and comparing the lines (`diff`): every scenario of engine_models at
+world sizes 2 and 4, with the engine's default bucketing and with each
+all-reduce algorithm.
+
+    .venv/bin/python tests/dist/numerics_fingerprint.py > before.txt
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from engine_models import SCENARIOS, _step, batches, build  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+
+import lockstep  # noqa: E402
+
+from lockstep.testing import run_ranks  # noqa: E402
+
+VARIANTS = {
+    "native": {},
+    "ring": {"allreduce": "ring"},
+    "fp16_hook": {"comm_hook": "fp16"},
+}
+
+
+def _digest(result: dict) -> str:
+    h = hashlib.sha256()
+    for part in ("params", "grads", "buffers"):
+        for name in sorted(result[part]):
+            tensor = result[part][name]
+            h.update(name.encode())
+            if tensor is not None:
+                h.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _train(s, rank: int, world: int, hook: str | None) -> dict:
+    model = build(s.model)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    ddp = lockstep.DistributedDataParallel(model, **s.ddp_kwargs)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for micro in batches(s):
+        opt.zero_grad(set_to_none=s.set_to_none)
+        _step("lockstep", ddp, s, micro, rank, world)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = {n: None if g is None else g.detach().clone() for n, g in grads.items()}
+        opt.step()
+    return {
+        "params": dict(model.named_parameters()),
+        "buffers": dict(model.named_buffers()),
+        "grads": grads,
+    }
+
+
+def _all(ctx) -> dict[str, str]:
+    out = {}
+    for variant, extra in VARIANTS.items():
+        for s in SCENARIOS:
+            if variant == "fp16_hook" and s.ddp_kwargs.get("find_unused_parameters"):
+                continue
+            kwargs = {**s.ddp_kwargs, **{k: v for k, v in extra.items() if k != "comm_hook"}}
+            scenario = replace(s, name=f"{s.name}/{variant}", ddp_kwargs=kwargs)
+            hook = extra.get("comm_hook")
+            out[scenario.name] = _digest(_train(scenario, ctx.rank, ctx.world_size, hook))
+    return out
+
+
+def main() -> None:
+    for world in (2, 4):
+        results = run_ranks(_all, world, deadline_s=600, timeout_s=120)
+        for name in results[0]:
+            print(f"world{world} {name} " + " ".join(r[name] for r in results))
+
+
+if __name__ == "__main__":
+    main()
