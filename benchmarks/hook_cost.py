@@ -54,9 +54,9 @@ def rank_main(ctx, args: argparse.Namespace) -> dict:
     inside = [0.0, 0]
     original = reducer.Reducer._mark_ready
 
-    def timed(self, index, param):
+    def timed(self, step, index, param):
         start = time.perf_counter()
-        original(self, index, param)
+        original(self, step, index, param)
         inside[0] += time.perf_counter() - start
         inside[1] += 1
 

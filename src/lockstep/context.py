@@ -150,6 +150,55 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
     )
 
 
+def group_context(
+    process_group: dist.ProcessGroup | None = None, user: str = "lockstep"
+) -> DistContext:
+    """This process's place in `process_group`: the one function components derive it from.
+
+    Rank and world size come from the group (the default group when None); the
+    node facts from the launcher's variables. One default each: with no launcher
+    variables the job is one node (local_world_size = world size). With no process
+    group at all the process is alone (rank 0 of 1).
+
+    Args:
+        process_group: the group the component works in.
+        user: the component asking, named in the error.
+
+    Raises:
+        EnvironmentConfigError: the launcher started several processes but no process
+            group exists yet, so every rank would act as if it were alone.
+    """
+    launch = read_launch_env()
+    if not (dist.is_available() and dist.is_initialized()):
+        if launch.world_size > 1:
+            raise EnvironmentConfigError(
+                f"{user} found no process group on rank {launch.rank}, although the "
+                f"launcher started {launch.world_size} processes; every rank would act alone "
+                f"(read all the data, write every checkpoint). Call lockstep.init() before "
+                f"{user}."
+            )
+        return DistContext(0, 0, 1, 1, 0, "none", torch.device("cpu"))
+    rank, world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+    known = launch.source != "single" and launch.world_size == dist.get_world_size()
+    local_world_size = min(launch.local_world_size, world_size) if known else world_size
+    return DistContext(
+        rank=rank,
+        local_rank=launch.local_rank if known else rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=launch.node_rank if known else 0,
+        backend=dist.get_backend(process_group),
+        device=_group_device(process_group),
+        restart_count=launch.restart_count,
+    )
+
+
+def _group_device(process_group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shutdown() -> None:
     """Leave the default process group; a no-op when there is none."""
     if dist.is_initialized():

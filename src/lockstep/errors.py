@@ -26,8 +26,3 @@ class UnusedParametersError(LockstepError):
 
 class CheckpointError(LockstepError):
     """A checkpoint cannot be written or read."""
-
-
-def on_rank(rank: int | None) -> str:
-    """The ' on rank R' suffix used in messages, or '' when the rank is unknown."""
-    return "" if rank is None else f" on rank {rank}"

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep import Checkpointer, rng
+from lockstep import Checkpointer
+from lockstep.checkpoint import rng
 from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION, POINTS
 from lockstep.errors import CheckpointError
 from lockstep.testing import RankFailure, run_ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lockstep.bench.allreduce_worker import add_sweep_flags, sweep_options
+from lockstep.launch.config import add_nproc_flag
 
 WORKER = "lockstep.bench.allreduce_worker"
 
@@ -23,11 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "busbw = algbw x 2(N-1)/N; GB/s = 1e9 bytes/s. --json FILE feeds "
         "`lockstep plan --bandwidth-from FILE`.",
     )
-    bench.add_argument(
-        "--nproc-per-node",
-        default="auto",
-        help="workers on this node: an integer, or 'auto' (one per GPU, else up to 4 CPU ranks)",
-    )
+    add_nproc_flag(bench)
     add_sweep_flags(bench)
     bench.set_defaults(handler=main)
 

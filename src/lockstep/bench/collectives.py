@@ -14,6 +14,7 @@ import argparse
 from dataclasses import dataclass
 from enum import Enum
 
+from lockstep.launch.config import add_nproc_flag
 from lockstep.plan.units import parse_bytes
 
 WORKER = "lockstep.bench.collectives_worker"
@@ -143,11 +144,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "interleaved, on this node's workers: median time, algbw = size / time, busbw = "
         "algbw x the nccl-tests factor (2(N-1)/N for all-reduce), and the ratio to native.",
     )
-    bench.add_argument(
-        "--nproc-per-node",
-        default="auto",
-        help="workers on this node: an integer, or 'auto' (one per GPU, else up to 4 CPU ranks)",
-    )
+    add_nproc_flag(bench)
     add_bench_flags(bench)
     bench.set_defaults(handler=main)
 

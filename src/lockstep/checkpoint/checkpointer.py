@@ -22,7 +22,7 @@ from torch import nn
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
-from lockstep.data.agreement import group_place
+from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 
@@ -63,7 +63,8 @@ class Checkpointer:
         self.directory = Path(directory)
         self.files = CheckpointFiles(self.directory, keep)
         self.timeout = read_timeout() if timeout_s is None else timedelta(seconds=timeout_s)
-        self.rank, self.world_size = group_place(process_group, "Checkpointer")
+        place = group_context(process_group, "Checkpointer")
+        self.rank, self.world_size = place.rank, place.world_size
         self._group = _coordination_group(process_group, self.world_size)
         self.extra: Any = None
 

@@ -18,7 +18,6 @@ from lockstep.collectives._p2p import (
     ReduceOp,
     Workspace,
     check_args,
-    chunk_bounds,
     combine_,
     finish_,
     post,
@@ -160,8 +159,3 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None) -
     flat = output.view(-1)
     flat[rank * n : (rank + 1) * n].copy_(input.view(-1))
     ring_all_gather_(flat, [i * n for i in range(size + 1)], group)
-
-
-def ring_bounds(numel: int, group: Group) -> list[int]:
-    """Chunk boundaries for a ring over `group`: one near-equal chunk per rank."""
-    return chunk_bounds(numel, rank_and_size(group)[1])

@@ -11,27 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from lockstep.env import read_launch_env
-from lockstep.errors import EnvironmentConfigError, RankMismatchError
-
-
-def group_place(process_group: dist.ProcessGroup | None, user: str) -> tuple[int, int]:
-    """(rank, world_size) in `process_group`; (0, 1) when the process runs alone.
-
-    Raises:
-        EnvironmentConfigError: the launcher started several processes but no process
-            group exists yet, so every rank would act as if it were alone.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(process_group), dist.get_world_size(process_group)
-    launch = read_launch_env()
-    if launch.world_size > 1:
-        raise EnvironmentConfigError(
-            f"{user} found no process group on rank {launch.rank}, although the launcher "
-            f"started {launch.world_size} processes; every rank would act alone (read all "
-            f"the data, write every checkpoint). Call lockstep.init() before {user}."
-        )
-    return 0, 1
+from lockstep.errors import RankMismatchError
 
 
 def gather_statements(

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lockstep.data.agreement import check_data_agreement, group_place
+from lockstep.context import group_context
+from lockstep.data.agreement import check_data_agreement
 
 STATE_KEYS = ("epoch", "position", "seed", "num_samples", "world_size", "shuffle")
 
@@ -52,7 +53,8 @@ def _place(
                 f"found rank={rank}, world_size={world_size}. Pass both or neither."
             )
         return rank, world_size, False
-    rank, size = group_place(process_group, "ShardedSampler")
+    place = group_context(process_group, "ShardedSampler")
+    rank, size = place.rank, place.world_size
     return rank, size, size > 1
 
 

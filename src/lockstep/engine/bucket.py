@@ -1,19 +1,25 @@
-"""`Bucket`: one flat gradient buffer, the parameters that live in it, and its all-reduce.
+"""`Bucket`: one flat gradient buffer, the parameters that live in it, and its collective.
 
 Each trainable parameter owns a slice of exactly one bucket. During backward
 the reducer copies (or, with gradient_as_bucket_view, finds) each gradient in
 its slice and counts down `pending`; when it reaches zero the bucket is
-complete and its all-reduce may start. `GradBucket` is the face a bucket shows
-to communication hooks, with the methods of torch's `dist.GradBucket`, so
-torch's own hooks run on this engine too.
+complete and its collective may start. How gradients are scaled on the way in
+is the bucket's `averaging`, chosen once by the bucket collective
+(`lockstep.engine.collective`). `GradBucket` is the face a bucket shows to
+communication hooks, with the methods of torch's `dist.GradBucket`, so torch's
+own hooks run on this engine too.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lockstep.engine.collective import Averaging
+    from lockstep.engine.handles import CollectiveHandle
 
 
 @dataclass
@@ -27,23 +33,22 @@ class BucketTimes:
 
 @dataclass
 class Bucket:
-    """A flat buffer holding the gradients of `params`, in that order."""
+    """A flat buffer holding the gradients of `params`, in that order.
+
+    The fields after `averaging` describe the current step only; `reset()` arms
+    them for the next one.
+    """
 
     index: int
     params: list[torch.nn.Parameter]
     param_indices: list[int]
     buffer: torch.Tensor
     views: list[torch.Tensor]
+    averaging: Averaging | None = None
     pending: int = 0
-    handle: object | None = None
+    handle: CollectiveHandle | None = None
     times: BucketTimes = field(default_factory=BucketTimes)
-    world_size: int = 1
-    # 1/N as a 0-dim tensor (cheaper per call than a Python float). The CPU kernels
-    # read it in the op's math type (float for float32/16 buckets, double for
-    # float64), as torch DDP's wrapped double scalar, so the bits are torch's.
-    inv_world: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
-    # This step: gradients copied in already scaled by 1/N, and slots whose gradient
-    # was found in place (a bucket view), divided at launch (`divide_found_in_place`).
+    # Gradients copied in already scaled, and slots whose gradient was found in place.
     scaled_copies: int = 0
     found_in_place: list[torch.Tensor] = field(default_factory=list)
 
@@ -53,28 +58,16 @@ class Bucket:
         index: int,
         params: list[torch.nn.Parameter],
         param_indices: list[int],
-        world_size: int,
+        averaging: Averaging | None,
     ) -> Bucket:
         """Allocate a zeroed buffer for `params` and one view per parameter, shaped like it."""
         numel = sum(p.numel() for p in params)
-        dtype = params[0].dtype
-        buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for param in params:
             views.append(buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        inv_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        inv_world = torch.tensor(1.0 / world_size, dtype=inv_dtype)
-        return cls(
-            index,
-            params,
-            param_indices,
-            buffer,
-            views,
-            len(params),
-            world_size=world_size,
-            inv_world=inv_world,
-        )
+        return cls(index, params, param_indices, buffer, views, averaging, len(params))
 
     @property
     def nbytes(self) -> int:
@@ -88,22 +81,38 @@ class Bucket:
         self.scaled_copies = 0
         self.found_in_place = []
 
+    def copy_in(self, view: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy `grad` into its slot `view`, scaled by 1/N on the way when the engine averages.
+
+        One pass over the bytes, as torch DDP does for copied gradients.
+        """
+        if self.averaging is None:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, self.averaging.multiplier, out=view)
+            self.scaled_copies += 1
+
+    def found(self, view: torch.Tensor) -> None:
+        """Note a gradient that autograd left in its slot already (a bucket view)."""
+        if self.averaging is not None:
+            self.found_in_place.append(view)
+
     def divide_found_in_place(self) -> None:
-        """Divide by N the gradients found in place (in their views), before the sum.
+        """Divide by N the gradients found in place, before the sum.
 
         Torch DDP divides each such gradient in its hook; here it waits until the
         bucket is complete. When no gradient of the bucket was copied in (already
         scaled), one division over the flat buffer does it: one kernel instead of
         one per gradient, the same bits, and zero-filled slots stay zero.
         """
+        if not self.found_in_place:
+            return
+        assert self.averaging is not None
         if self.scaled_copies == 0:
-            self.buffer.div_(self.world_size)
+            self.buffer.div_(self.averaging.divisor)
         else:
             for view in self.found_in_place:
-                view.div_(self.world_size)
-
-    def mark_done(self) -> None:
-        self.times.done = time.perf_counter()
+                view.div_(self.averaging.divisor)
 
 
 class GradBucket:

@@ -19,12 +19,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lockstep.engine.broadcast import broadcast_module, broadcast_tensors
+from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB, trainable_parameters
 from lockstep.engine.checks import verify_same_parameters
-from lockstep.engine.comm import NATIVE, Communicator
-from lockstep.engine.reducer import CommHook, Reducer
+from lockstep.engine.collective import AllReduceMean, CommHook, CommHookCollective
+from lockstep.engine.reducer import Reducer, StepObserver
+from lockstep.engine.replicas import broadcast_module, broadcast_tensors
 from lockstep.engine.stats import StepStats
+from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
 
 
@@ -43,7 +45,8 @@ class DistributedDataParallel(nn.Module):
         output_device: accepted for compatibility; outputs stay where the module puts them.
         allreduce: "native" (the backend's), or "ring", "tree", "hierarchical" from
             `lockstep.collectives`.
-        local_world_size: processes per node, for allreduce="hierarchical".
+        local_world_size: processes per node, for allreduce="hierarchical"; by default
+            the launcher's LOCAL_WORLD_SIZE (one node when there is none).
 
     Raises:
         ValueError: an argument is out of range.
@@ -69,6 +72,7 @@ class DistributedDataParallel(nn.Module):
         self._check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, device_ids)
         self.module = module
         self.process_group = process_group
+        self.ctx: DistContext = group_context(process_group, "DistributedDataParallel")
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -115,11 +119,16 @@ class DistributedDataParallel(nn.Module):
         allreduce: str,
         local_world_size: int | None,
     ) -> Reducer:
-        world = dist.get_world_size(self.process_group)
-        comm = Communicator(self.process_group, allreduce, local_world_size or world)
+        ctx = self.ctx
+        transport = Transport(
+            self.process_group, allreduce, local_world_size or ctx.local_world_size
+        )
         return Reducer(
             named,
-            comm,
+            AllReduceMean(transport, ctx.world_size),
+            process_group=self.process_group,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
             first_cap_bytes=int(first_cap_mb * MB),
             cap_bytes=int(cap_mb * MB),
             find_unused=self.find_unused_parameters,
@@ -144,14 +153,14 @@ class DistributedDataParallel(nn.Module):
                 if self.find_unused_parameters
                 else []
             )
-            self.reducer.prepare_for_backward(unused, start, time.perf_counter())
+            self.reducer.arm(unused, start, time.perf_counter())
         # Like torch DDP: buffers are synced before a forward that follows a synced one.
         self._sync_buffers_before_forward = grad_sync
         return output
 
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())
-        if buffers and dist.get_world_size(self.process_group) > 1:
+        if buffers and self.ctx.world_size > 1:
             src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
             broadcast_tensors(buffers, src=src, process_group=self.process_group)
 
@@ -188,12 +197,19 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise ValueError(f"hook must be callable; found {type(hook).__name__}")
-        if self.reducer.comm_hook is not None:
+        if isinstance(self.reducer.collective, CommHookCollective):
             raise RuntimeError(
                 "register_comm_hook can only be called once; a hook is already registered"
             )
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
+        self.reducer.set_collective(CommHookCollective(hook, state))
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call `observer(stats)` at the end of every synchronised step (after averaging).
+
+        Observers run inside backward's final callback, so they must be cheap; the
+        tracer and the monitor use this to see every step without extra clock reads.
+        """
+        self.reducer.observers.append(observer)
 
     @property
     def stats(self) -> StepStats | None:

@@ -13,6 +13,7 @@ issue them in the same order while backward goes on.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ class PowerSGDState(HookState):
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1; found {self.rank}")
+        # The pool's thread never outlives the state, nor the interpreter (atexit).
+        weakref.finalize(self, self._thread.shutdown, wait=False)
 
     def compresses(self, grad: torch.Tensor) -> bool:
         if grad.dim() < 2:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lockstep.env import read_slurm_nodes
-from lockstep.launch.config import RunConfig, parse_nproc
+from lockstep.env import DEFAULT_MASTER_ADDR, read_slurm_nodes
+from lockstep.launch.config import DEFAULT_RDZV_TIMEOUT_S, RunConfig, add_nproc_flag, parse_nproc
 
 DEFAULTS: dict[str, str | int] = {
     "nnodes": 1,
     "node_rank": 0,
-    "master_addr": "127.0.0.1",
+    "master_addr": DEFAULT_MASTER_ADDR,
     "master_port": 0,
 }
 
@@ -32,12 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Launch SCRIPT (or -m MODULE) once per worker, with RANK, WORLD_SIZE, ... set.",
     )
     _placement_flags(run)
-    run.add_argument(
-        "--nproc-per-node",
-        default="auto",
-        help="workers on this node: an integer, or 'auto' (one per GPU, else one "
-        "per CPU core up to 4)",
-    )
+    add_nproc_flag(run)
     run.add_argument(
         "--max-restarts",
         type=int,
@@ -64,7 +59,7 @@ def _placement_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--rdzv-timeout",
         type=int,
-        default=120,
+        default=DEFAULT_RDZV_TIMEOUT_S,
         help="seconds nodes wait for each other (at start and after each restart)",
     )
     run.add_argument(

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 
 import torch
 
+from lockstep.env import DEFAULT_MASTER_ADDR
+
 MAX_AUTO_CPU_PROCS = 4
+
+
+DEFAULT_RDZV_TIMEOUT_S = 120
+
+
+def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
+    """The one definition of --nproc-per-node, shared by `run` and the benches."""
+    parser.add_argument(
+        "--nproc-per-node",
+        default="auto",
+        help="workers on this node: an integer, or 'auto' (one per GPU, else one "
+        "per CPU core up to 4)",
+    )
 
 
 @dataclass(frozen=True)
@@ -35,10 +51,10 @@ class RunConfig:
     nproc_per_node: int
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = 0
     max_restarts: int = 0
-    rdzv_timeout_s: int = 120
+    rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
     run_id: str = "lockstep"
     local_addr: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -78,10 +94,6 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-    @property
-    def is_module(self) -> bool:
-        return self.target[0] == "-m"
 
 
 def auto_nproc_per_node() -> int:

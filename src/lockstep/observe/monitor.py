@@ -45,7 +45,8 @@ class Monitor:
 
     Args:
         ddp: the `lockstep.DistributedDataParallel` model.
-        ctx: this process's `DistContext` (from `lockstep.init()`).
+        ctx: this process's `DistContext` (from `lockstep.init()`); rank facts are taken
+            from `ddp.ctx`, the model's own group, so the two always agree.
         optimizer: a torch optimizer; its `step()` is timed through its step hooks.
         log_every: steps per log line and per JSONL/TensorBoard write.
         total_steps: the step the run ends at (the progress bar's length).
@@ -90,8 +91,10 @@ class Monitor:
                 f"Monitor expected a lockstep.DistributedDataParallel (it reads ddp.stats); "
                 f"found {type(ddp).__name__}. Wrap the model with lockstep.DistributedDataParallel."
             )
-        self.ddp, self.ctx = ddp, ctx
-        self.group = getattr(ddp, "process_group", None)
+        # The ranks described are those of the model's group: its context, not the
+        # job's, so a model on a subgroup is averaged over that subgroup.
+        self.ddp, self.ctx = ddp, ddp.ctx
+        self.group = ddp.process_group
         self.log_every, self.straggler_every = log_every, straggler_every or 0
         self.step_count = start_step
         self.reports: list[StragglerReport] = []

@@ -1,0 +1,101 @@
+"""The collective a complete bucket runs, as a small strategy object.
+
+The reducer knows when a bucket is complete; the strategy decides what happens
+to it then, and whether the engine averages the gradients on their way into the
+bucket (`averaging(dtype)`: the 1/N rule, decided here once) or leaves them
+unscaled for the strategy to average itself, as torch's communication hooks do.
+
+| strategy | averaging | launch |
+|---|---|---|
+| `AllReduceMean` | by the engine: scaled while copied, or divided per bucket | SUM all-reduce |
+| `CommHookCollective` | by the hook | `hook(state, GradBucket) -> Future` |
+
+The sharded engine adds a reduce-scatter here; nothing else needs to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from lockstep.engine.bucket import Bucket, GradBucket
+from lockstep.engine.handles import CollectiveHandle, HookHandle
+from lockstep.engine.transport import Transport
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How the engine divides a bucket's gradients by the world size before the sum.
+
+    A copied gradient is multiplied by `multiplier` while it is copied (one pass);
+    a gradient found in place (a bucket view) is divided by `divisor` with its
+    bucket. The multiplier is 1/N as a 0-dim tensor, float32 except for float64
+    buckets: the CPU kernels read it in the op's math type, as torch DDP's wrapped
+    double scalar, so the bits are torch's.
+    """
+
+    divisor: int
+    multiplier: torch.Tensor
+
+    @classmethod
+    def for_dtype(cls, world_size: int, dtype: torch.dtype) -> Averaging:
+        scalar_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        return cls(world_size, torch.tensor(1.0 / world_size, dtype=scalar_dtype))
+
+
+class BucketCollective(Protocol):
+    """What the reducer asks of a bucket's collective."""
+
+    def averaging(self, dtype: torch.dtype) -> Averaging | None:
+        """How the engine scales gradients of `dtype` into a bucket; None: it does not."""
+        ...
+
+    def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
+        """Start the collective of a complete bucket."""
+        ...
+
+    def sent_bytes(self) -> int | None:
+        """Bytes handed to collectives since the last call, if not the buffers themselves."""
+        ...
+
+
+class AllReduceMean:
+    """The default: gradients averaged by the engine, then one SUM all-reduce per bucket."""
+
+    def __init__(self, transport: Transport, world_size: int) -> None:
+        self.transport = transport
+        self.world_size = world_size
+
+    def averaging(self, dtype: torch.dtype) -> Averaging | None:
+        return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None
+
+    def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
+        bucket.divide_found_in_place()
+        return self.transport.all_reduce(bucket.buffer)
+
+    def sent_bytes(self) -> int | None:
+        return None
+
+
+class CommHookCollective:
+    """A communication hook with torch's contract: it averages, the engine does not."""
+
+    def __init__(self, hook: CommHook, state: Any) -> None:
+        self.hook = hook
+        self.state = state
+        # A hook that compresses reports what it really sent (lockstep's HookState).
+        self._take_sent: Callable[[], int] | None = getattr(state, "take_sent_bytes", None)
+
+    def averaging(self, dtype: torch.dtype) -> Averaging | None:
+        return None
+
+    def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
+        return HookHandle(self.hook(self.state, GradBucket(bucket, is_last)), bucket.buffer)
+
+    def sent_bytes(self) -> int | None:
+        return self._take_sent() if self._take_sent is not None else None

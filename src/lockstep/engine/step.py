@@ -1,0 +1,54 @@
+"""`StepState`: everything one synchronised backward changes, in one place.
+
+A step goes through four named states, each the work of one `Reducer` method:
+
+| state | entered by | what happens |
+|---|---|---|
+| armed | `Reducer.arm` (forward's end) | a fresh `StepState`; buckets reset |
+| started | `Reducer._start` (first hook) | `_finalize` queued; unused pre-marked |
+| filling | `Reducer._mark_ready` (each hook) | slots filled; buckets launched in order |
+| finalized | `Reducer._finalize` (autograd done) | waits, `.grad`, `StepStats`; state dropped |
+
+Outside a synchronised backward the reducer holds no `StepState` (its hooks do
+nothing), so nothing of one step can leak into the next.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lockstep.engine.handles import CollectiveHandle
+
+
+@dataclass
+class StepState:
+    """The per-step state of gradient synchronisation.
+
+    Attributes:
+        forward_start: perf_counter() when the wrapper's forward began.
+        forward_end: perf_counter() when it returned.
+        unused: parameters the forward did not reach; marked ready when backward starts.
+        marked: per parameter: its gradient reached its slot this step.
+        used: per parameter: a hook fired for it locally (find_unused_parameters).
+        without_grad: parameters marked with no gradient (zeros in their slot).
+        started: the first hook has run and `_finalize` is queued.
+        next_bucket: index of the next bucket to launch (launches go in index order).
+        in_flight: launched collectives not yet seen finished, oldest first.
+    """
+
+    forward_start: float
+    forward_end: float
+    unused: list[int]
+    marked: list[bool]
+    used: list[bool]
+    without_grad: list[int] = field(default_factory=list)
+    started: bool = False
+    next_bucket: int = 0
+    in_flight: deque[CollectiveHandle] = field(default_factory=deque)
+
+    @classmethod
+    def armed(
+        cls, num_params: int, unused: list[int], forward_start: float, forward_end: float
+    ) -> StepState:
+        return cls(forward_start, forward_end, unused, [False] * num_params, [False] * num_params)
