@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
 
 import lockstep
+from lockstep.bench.timing import per_call_seconds, slowest
 from lockstep.collectives import make_allreduce
 
 
@@ -43,25 +44,14 @@ def _counters(iface: str | None) -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
-def _slowest(times: list[float]) -> list[float]:
-    samples = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    return samples.tolist()
-
-
 def _block(fn, tensor: torch.Tensor, iters: int, iface: str | None) -> dict:
     fn(tensor)  # warm-up: connections, buffers
     dist.barrier()
     tx0, rx0 = _counters(iface)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn(tensor)
-        times.append(time.perf_counter() - start)
+    times = per_call_seconds({"call": lambda: fn(tensor)}, iters, warmup=0)["call"]
     dist.barrier()
     tx1, rx1 = _counters(iface)
-    return {"times": _slowest(times), "tx": (tx1 - tx0) / iters, "rx": (rx1 - rx0) / iters}
+    return {"times": times, "tx": (tx1 - tx0) / iters, "rx": (rx1 - rx0) / iters}
 
 
 def run_allreduce(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
@@ -137,7 +127,7 @@ def run_train(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - start)
     return {
         mode: {
-            "median_step_s": statistics.median(_slowest(times)),
+            "median_step_s": statistics.median(slowest(times)),
             "trainable_params": sum(p.numel() for p in params),
             "gradient_bytes": sum(p.numel() * p.element_size() for p in params),
         }

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 import lockstep
 from lockstep.bench.sweep import Row, format_table, make_row, result_json, sweep_sizes
+from lockstep.bench.timing import back_to_back_seconds
 from lockstep.plan.units import parse_bytes, parse_dtype
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -93,25 +93,9 @@ def sweep_options(ns: argparse.Namespace) -> SweepOptions:
     return SweepOptions(tuple(sizes), dtype, ns.iters, ns.warmup, ns.json, ns.backend)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_allreduce(tensor: torch.Tensor, iters: int, warmup: int) -> float:
     """Mean seconds per all-reduce of `tensor` on the slowest rank."""
-    for _ in range(warmup):
-        dist.all_reduce(tensor)
-    _sync(tensor.device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(tensor)
-    _sync(tensor.device)
-    mean = (time.perf_counter() - start) / iters
-    elapsed = torch.tensor([mean], dtype=torch.float64, device=tensor.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
+    return back_to_back_seconds(lambda: dist.all_reduce(tensor), iters, warmup, tensor.device)
 
 
 def count_wrong(tensor: torch.Tensor, rank: int, world_size: int) -> int:

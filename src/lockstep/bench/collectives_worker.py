@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -25,6 +24,7 @@ import lockstep
 from lockstep import collectives as lc
 from lockstep.bench.collectives import BenchOptions, Collective, add_bench_flags, bench_options
 from lockstep.bench.collectives import bus_factor as _bus_factor
+from lockstep.bench.timing import per_call_seconds
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -134,18 +134,9 @@ def _count_wrong(case: Case, rank: int) -> int:
 
 def _time_cases(cases: dict[str, Case], opts: BenchOptions) -> dict[str, float]:
     """Median seconds per call of each case, the slowest rank counting for each call."""
-    names = list(cases)
-    samples = torch.zeros(len(names), opts.iters, dtype=torch.float64)
-    for round_ in range(opts.warmup + opts.iters):
-        shift = round_ % len(names)
-        for i in [*range(shift, len(names)), *range(shift)]:
-            dist.barrier()
-            start = time.perf_counter()
-            cases[names[i]].run()
-            if round_ >= opts.warmup:
-                samples[i, round_ - opts.warmup] = time.perf_counter() - start
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    return {name: statistics.median(samples[i].tolist()) for i, name in enumerate(names)}
+    calls = {name: case.run for name, case in cases.items()}
+    samples = per_call_seconds(calls, opts.iters, opts.warmup)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def run_bench(ctx: lockstep.DistContext, opts: BenchOptions) -> list[Row]:
