@@ -47,6 +47,10 @@ class DistributedDataParallel(nn.Module):
             `lockstep.collectives`.
         local_world_size: processes per node, for allreduce="hierarchical"; by default
             the launcher's LOCAL_WORLD_SIZE (one node when there is none).
+        check_data_passes: the step fingerprint (`engine/fingerprint.py`) also compares
+            which pass over its DataLoader fed each rank's step, so uneven data is caught
+            at the first step it pairs wrongly. Turn off only for a loader that every rank
+            restarts when it runs out, for a fixed number of steps.
 
     Raises:
         ValueError: an argument is out of range.
@@ -67,6 +71,7 @@ class DistributedDataParallel(nn.Module):
         output_device: int | torch.device | None = None,
         allreduce: str = NATIVE,
         local_world_size: int | None = None,
+        check_data_passes: bool = True,
     ) -> None:
         super().__init__()
         self._check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, device_ids)
@@ -83,7 +88,12 @@ class DistributedDataParallel(nn.Module):
         named = trainable_parameters(module)
         self._build_replicas(named)
         self.reducer = self._build_reducer(
-            named, bucket_cap_mb, first_bucket_cap_mb, allreduce, local_world_size
+            named,
+            bucket_cap_mb,
+            first_bucket_cap_mb,
+            allreduce,
+            local_world_size,
+            check_data_passes,
         )
 
     @staticmethod
@@ -118,6 +128,7 @@ class DistributedDataParallel(nn.Module):
         first_cap_mb: float,
         allreduce: str,
         local_world_size: int | None,
+        check_data_passes: bool,
     ) -> Reducer:
         ctx = self.ctx
         transport = Transport(
@@ -133,6 +144,7 @@ class DistributedDataParallel(nn.Module):
             cap_bytes=int(cap_mb * MB),
             find_unused=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            check_data_passes=check_data_passes,
         )
 
     # ---------------------------------------------------------------- forward
@@ -147,7 +159,9 @@ class DistributedDataParallel(nn.Module):
         if self.device_ids:
             args, kwargs = self._to_device((args, kwargs))
         output = self.module(*args, **kwargs)
-        if grad_sync:
+        if not grad_sync:
+            self.reducer.forward_without_sync(accumulating=torch.is_grad_enabled())
+        else:
             unused = (
                 unreachable_parameters(output, self.reducer.params)
                 if self.find_unused_parameters

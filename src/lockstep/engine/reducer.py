@@ -24,6 +24,8 @@ import torch.distributed as dist
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import BucketCollective
+from lockstep.engine.data_passes import DataPasses
+from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
 from lockstep.engine.stats import StepMarks, StepStats, step_stats
 from lockstep.engine.step import StepState
 from lockstep.errors import LockstepError, UnusedParametersError
@@ -44,6 +46,7 @@ class Reducer:
         cap_bytes: cap of the others.
         find_unused: tolerate parameters without a gradient (one extra vote per step).
         gradient_as_bucket_view: leave `.grad` pointing into the buckets.
+        check_data_passes: include the pass over the data in the step fingerprint.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Reducer:
         cap_bytes: int,
         find_unused: bool,
         gradient_as_bucket_view: bool,
+        check_data_passes: bool = True,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -72,6 +76,10 @@ class Reducer:
         self.steps = 0
         self.last_stats: StepStats | None = None
         self.step: StepState | None = None  # None outside a synchronised backward
+        self.fingerprint = StepFingerprint(process_group, rank, world_size)
+        self.data_passes = DataPasses() if check_data_passes else None
+        self._synced_graph_open = False  # a finalized step's graph may be backwarded again
+        self._micro_batches = 0  # forwards under no_sync() since the last synchronised one
         self._rebuilt = False
         self._ready_order: list[int] = []
         self._unfinished: str | None = None
@@ -97,6 +105,7 @@ class Reducer:
             for b, idx in enumerate(layout)
         ]
         slot = {i: (b, b.views[pos]) for b in self.buckets for pos, i in enumerate(b.param_indices)}
+        self._layout_hash = layout_hash(layout)
         self._bucket_of = [slot[i][0] for i in range(len(self.params))]
         self._view_of = [slot[i][1] for i in range(len(self.params))]
         if self.grad_as_view:
@@ -135,9 +144,18 @@ class Reducer:
 
     def arm(self, unused: list[int], forward_start: float, forward_end: float) -> None:
         """State "armed": the next backward synchronises; `unused` are pre-marked ready."""
-        self.step = StepState.armed(len(self.params), unused, forward_start, forward_end)
+        passes = self.data_passes.note_step() if self.data_passes is not None else 0
+        mine = Fingerprint(self.steps + 1, passes, self._micro_batches + 1, self._layout_hash)
+        self._micro_batches = 0
+        self.step = StepState.armed(len(self.params), unused, forward_start, forward_end, mine)
+        self._synced_graph_open = False
         for bucket in self.buckets:
             bucket.reset()
+
+    def forward_without_sync(self, accumulating: bool) -> None:
+        """A forward that will not synchronise closes the last step; under no_sync it counts."""
+        self._synced_graph_open = False
+        self._micro_batches += accumulating
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -147,12 +165,15 @@ class Reducer:
                     self._start(step)
                 step.used[index] = True
                 self._mark_ready(step, index, param)
+            elif self._synced_graph_open:
+                raise self._second_backward_error(index)
 
         return hook
 
     def _start(self, step: StepState) -> None:
         """State "started": queue finalize on autograd, pre-mark unused parameters."""
         step.started = True
+        self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for unused in step.unused:
             self._mark_ready(step, unused, self.params[unused])
@@ -195,6 +216,15 @@ class Reducer:
             "checkpoint(use_reentrant=False), or wrap extra backwards in no_sync()."
         )
 
+    def _second_backward_error(self, index: int) -> LockstepError:
+        return LockstepError(
+            f"on rank {self.rank}: parameter {self.names[index]!r} received a gradient from "
+            "a second backward through a step that was already synchronised; its gradient "
+            "would stay local to this rank and the replicas would drift apart. Expected one "
+            "backward per synchronised forward. Sum the losses and call backward() once, "
+            "or run the forward again for the second backward."
+        )
+
     def _launch_complete_buckets(self, step: StepState) -> None:
         last = len(self.buckets) - 1
         while step.next_bucket <= last:
@@ -216,6 +246,7 @@ class Reducer:
             assert bucket.handle is not None
             bucket.handle.wait()
             bucket.times.done = bucket.handle.done_at
+        self.fingerprint.check()
         if step.next_bucket < len(self.buckets):
             self._unfinished = self._unfinished_message(step)
             return
@@ -227,6 +258,7 @@ class Reducer:
             globally_unused = {i for i, n in enumerate(used.tolist()) if n == 0}
         self._write_back(step, globally_unused)
         self.steps += 1
+        self._synced_graph_open = True
         marks = StepMarks(step.forward_start, step.forward_end, backward_end, time.perf_counter())
         self.last_stats = step_stats(
             self.steps, self.world_size, self.buckets, marks, self.collective.sent_bytes()

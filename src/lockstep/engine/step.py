@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from lockstep.engine.fingerprint import Fingerprint
 from lockstep.engine.handles import CollectiveHandle
 
 
@@ -31,6 +32,7 @@ class StepState:
         unused: parameters the forward did not reach; marked ready when backward starts.
         marked: per parameter: its gradient reached its slot this step.
         used: per parameter: a hook fired for it locally (find_unused_parameters).
+        fingerprint: what this rank says about the step (checked across ranks).
         without_grad: parameters marked with no gradient (zeros in their slot).
         started: the first hook has run and `_finalize` is queued.
         next_bucket: index of the next bucket to launch (launches go in index order).
@@ -42,6 +44,7 @@ class StepState:
     unused: list[int]
     marked: list[bool]
     used: list[bool]
+    fingerprint: Fingerprint
     without_grad: list[int] = field(default_factory=list)
     started: bool = False
     next_bucket: int = 0
@@ -49,6 +52,12 @@ class StepState:
 
     @classmethod
     def armed(
-        cls, num_params: int, unused: list[int], forward_start: float, forward_end: float
+        cls,
+        num_params: int,
+        unused: list[int],
+        forward_start: float,
+        forward_end: float,
+        fingerprint: Fingerprint,
     ) -> StepState:
-        return cls(forward_start, forward_end, unused, [False] * num_params, [False] * num_params)
+        flags = [False] * num_params
+        return cls(forward_start, forward_end, unused, flags, list(flags), fingerprint)

@@ -1,0 +1,106 @@
+"""The step fingerprint: ranks that pair different steps are caught at the first one.
+
+Every synchronised step, when its backward starts and before any bucket is
+launched, each rank contributes three integers to one small asynchronous
+all-reduce: its count of synchronised steps, how many passes over its data have
+fed them (`lockstep.engine.data_passes`), how many micro-batches this step
+accumulated (forwards under `no_sync()` plus one), and a hash of its bucket layout. The
+collective runs while backward computes and is checked when backward ends. For
+each value v a rank sends v and v*v; over N ranks the sums satisfy
+N * sum(v*v) == sum(v)**2 only when every rank sent the same v, so every rank
+reaches the same verdict and raises together, naming each rank's figures (one
+all_gather_object, on the error path only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lockstep.errors import RankMismatchError
+
+FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
+_LAYOUT_MOD = 1 << 20  # keeps v*v*N far inside int64
+
+
+def layout_hash(layout: list[list[int]]) -> int:
+    """A small stable hash of the bucket layout (parameter indices per bucket)."""
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _LAYOUT_MOD
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank says about the step it is in."""
+
+    step: int
+    data_pass: int
+    micro_batches: int
+    layout: int
+
+    def values(self) -> tuple[int, int, int, int]:
+        return (self.step, self.data_pass, self.micro_batches, self.layout)
+
+
+class StepFingerprint:
+    """Launch the fingerprint of a step, then check it once the step's buckets are done."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, rank: int, world_size: int):
+        self.group = process_group
+        self.rank, self.world_size = rank, world_size
+        self._mine: Fingerprint | None = None
+        self._sums: torch.Tensor | None = None
+        self._work: dist.Work | None = None
+
+    def launch(self, mine: Fingerprint) -> None:
+        """Start the all-reduce of (v, v*v) for each value (no-op for one rank)."""
+        if self.world_size == 1:
+            return
+        values = torch.tensor(mine.values(), dtype=torch.int64)
+        self._mine = mine
+        self._sums = torch.cat([values, values * values])
+        self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
+
+    def check(self) -> None:
+        """Wait for the sums; raise `RankMismatchError` on every rank if any value differs."""
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        work.wait()
+        assert self._sums is not None and self._mine is not None
+        n = len(FIELDS)
+        sums, squares = self._sums[:n].tolist(), self._sums[n:].tolist()
+        if all(self.world_size * sq == s * s for s, sq in zip(sums, squares, strict=True)):
+            return
+        raise self._mismatch(self._mine)
+
+    def _mismatch(self, mine: Fingerprint) -> RankMismatchError:
+        everyone: list[Fingerprint | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        per_rank = "; ".join(
+            f"rank {r}: step {f.step}, data pass {f.data_pass}, {f.micro_batches} micro-batch(es)"
+            for r, f in enumerate(everyone)
+            if f is not None
+        )
+        if len({f.layout for f in everyone if f is not None}) > 1:
+            what = "different bucket layouts (the ranks built different models or buckets)"
+        elif len({f.step for f in everyone if f is not None}) > 1:
+            what = "different synchronised steps"
+        elif len({f.micro_batches for f in everyone if f is not None}) > 1:
+            what = "steps that accumulated different numbers of micro-batches (no_sync)"
+        else:
+            what = "steps fed by different passes over their data (uneven data per rank)"
+        return RankMismatchError(
+            f"on rank {self.rank}: the ranks' gradient all-reduces paired {what}: {per_rank}. "
+            "Every rank must run the same synchronised steps on its share of the same epoch. "
+            "Give every rank the same number of batches (lockstep.shard(dataset, ...) does, "
+            "or torch's DistributedSampler), wrap uneven inputs in "
+            "torch.distributed.algorithms.join.Join([model]), use no_sync() for the same "
+            "micro-batches on every rank, and run extra forwards of one rank only under "
+            "torch.no_grad(). A loader that every rank restarts when "
+            "it runs out, for a fixed number of steps, is harmless: pass "
+            "check_data_passes=False to DistributedDataParallel."
+        )
