@@ -164,3 +164,23 @@ def test_the_same_no_sync_on_every_rank_passes_and_ranks_agree():
     grads = run_ranks(_accumulate_then_sync, 2)
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def _fingerprints(ctx, steps: list[int | None]) -> str:
+    from lockstep.engine.fingerprint import Fingerprint, StepFingerprint
+
+    check = StepFingerprint(None, ctx.rank, ctx.world_size)
+    step = steps[ctx.rank]
+    check.launch(None if step is None else Fingerprint(step, 1, 1, 7))
+    try:
+        check.check()
+    except RankMismatchError as error:
+        return str(error)
+    return "agree"
+
+
+def test_a_shadowing_rank_is_not_counted_but_raises_with_the_others():
+    assert run_ranks(_fingerprints, 3, [4, 4, None]) == ["agree"] * 3
+    # 3 + 5 == 2 x 4 and 9 + 25 != 2 x 16: a plain sum alone would be fooled
+    for message in run_ranks(_fingerprints, 3, [3, 5, None]):
+        assert "rank 0: step 3" in message and "rank 1: step 5" in message

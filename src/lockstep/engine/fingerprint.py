@@ -6,10 +6,13 @@ all-reduce: its count of synchronised steps, how many passes over its data have
 fed them (`lockstep.engine.data_passes`), how many micro-batches this step
 accumulated (forwards under `no_sync()` plus one), and a hash of its bucket layout. The
 collective runs while backward computes and is checked when backward ends. For
-each value v a rank sends v and v*v; over N ranks the sums satisfy
-N * sum(v*v) == sum(v)**2 only when every rank sent the same v, so every rank
-reaches the same verdict and raises together, naming each rank's figures (one
-all_gather_object, on the error path only).
+each value v a rank sends v and v*v, plus a 1 that counts the M ranks taking
+part; the sums satisfy M * sum(v*v) == sum(v)**2 only when every taking part
+sent the same v, so every rank reaches the same verdict and raises together,
+naming each rank's figures (one all_gather_object, on the error path only). A
+rank that has run out of data under Join shadows the collective with zeros
+(`launch(None)`): it takes no part and is not counted, but checks and raises
+with the others.
 """
 
 from __future__ import annotations
@@ -55,13 +58,19 @@ class StepFingerprint:
         self._sums: torch.Tensor | None = None
         self._work: dist.Work | None = None
 
-    def launch(self, mine: Fingerprint) -> None:
-        """Start the all-reduce of (v, v*v) for each value (no-op for one rank)."""
+    def launch(self, mine: Fingerprint | None) -> None:
+        """Start the all-reduce of (1, v..., v*v...); None: a shadow of zeros (Join).
+
+        A no-op for one rank.
+        """
         if self.world_size == 1:
             return
-        values = torch.tensor(mine.values(), dtype=torch.int64)
         self._mine = mine
-        self._sums = torch.cat([values, values * values])
+        if mine is None:
+            self._sums = torch.zeros(1 + 2 * len(FIELDS), dtype=torch.int64)
+        else:
+            values = torch.tensor(mine.values(), dtype=torch.int64)
+            self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
         self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
 
     def check(self) -> None:
@@ -70,14 +79,15 @@ class StepFingerprint:
             return
         work, self._work = self._work, None
         work.wait()
-        assert self._sums is not None and self._mine is not None
+        assert self._sums is not None
         n = len(FIELDS)
-        sums, squares = self._sums[:n].tolist(), self._sums[n:].tolist()
-        if all(self.world_size * sq == s * s for s, sq in zip(sums, squares, strict=True)):
+        taking_part, rest = int(self._sums[0]), self._sums[1:]
+        sums, squares = rest[:n].tolist(), rest[n:].tolist()
+        if all(taking_part * sq == s * s for s, sq in zip(sums, squares, strict=True)):
             return
         raise self._mismatch(self._mine)
 
-    def _mismatch(self, mine: Fingerprint) -> RankMismatchError:
+    def _mismatch(self, mine: Fingerprint | None) -> RankMismatchError:
         everyone: list[Fingerprint | None] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         per_rank = "; ".join(
