@@ -24,7 +24,7 @@ import torch.distributed as dist
 # active exception"). Imported here, with lockstep, the defaults are None.
 import torch.distributed.nn.functional
 
-from lockstep.env import LaunchEnv, read_launch_env, read_timeout
+from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
 
 
@@ -150,6 +150,19 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
     )
 
 
+def _launch_env_or_single() -> LaunchEnv:
+    """The launcher's variables, or "single" when they are partial (a group made by hand).
+
+    A script that calls `init_process_group(rank=..., world_size=...)` itself may
+    leave only some launcher variables set (WORLD_SIZE without RANK); the group,
+    not the environment, is then the authority on rank and world size.
+    """
+    try:
+        return read_launch_env()
+    except EnvironmentConfigError:
+        return LaunchEnv("single", 0, 0, 1, 1, 0, DEFAULT_MASTER_ADDR, 0)
+
+
 def group_context(
     process_group: dist.ProcessGroup | None = None, user: str = "lockstep"
 ) -> DistContext:
@@ -168,8 +181,9 @@ def group_context(
         EnvironmentConfigError: the launcher started several processes but no process
             group exists yet, so every rank would act as if it were alone.
     """
-    launch = read_launch_env()
-    if not (dist.is_available() and dist.is_initialized()):
+    grouped = dist.is_available() and dist.is_initialized()
+    launch = _launch_env_or_single() if grouped else read_launch_env()
+    if not grouped:
         if launch.world_size > 1:
             raise EnvironmentConfigError(
                 f"{user} found no process group on rank {launch.rank}, although the "
