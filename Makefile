@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test demo lint format bench clean
+.PHONY: install test demo lint format bench clean compat
 
 install: $(STAMP)
 
@@ -38,3 +38,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
+
+# torch's own DDP test suite, with torch's class and with lockstep's, side by side (not in `test`).
+compat: install
+	PYTHONPATH=src $(BIN)/python tests/compat/compare.py
