@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lockstep.compiler import keep_out_of_graphs
 from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB, trainable_parameters
 from lockstep.engine.checks import verify_same_parameters
@@ -74,6 +75,7 @@ class DistributedDataParallel(nn.Module):
         check_data_passes: bool = True,
     ) -> None:
         super().__init__()
+        keep_out_of_graphs()  # torch.compile traces the wrapped module, never this wrapper
         self._check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, device_ids)
         self.module = module
         self.process_group = process_group
