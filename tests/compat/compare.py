@@ -72,7 +72,8 @@ def report(runs: dict[str, tuple[Records, float]], select: str) -> int:
     torch_runs, lockstep_runs = runs["torch"][0], runs["lockstep"][0]
     scope = "every test" if select == "all" else "the tests that build a DDP wrapper"
     print(
-        f"torch's DDP test suite (DistributedTest._DistTestBase), gloo, world size 2, CPU: {scope}"
+        f"torch's DDP test suite (DistributedTest._DistTestBase), "
+        f"{os.environ.get('BACKEND', 'gloo')}, world size 2: {scope}"
     )
     print(*counts_table(runs), sep="\n")
     lost = regressions(torch_runs, lockstep_runs)
