@@ -227,9 +227,17 @@ class Reducer:
             self._mark(step, unused, self.params[unused])
 
     def _mark_without_graph(self, step: StepState, index: int, param: torch.Tensor) -> None:
-        """`_mark_ready` for a gradient that carries a graph: its value travels, not its graph."""
+        """`_mark_ready` for a gradient that carries a graph: its value travels, not its graph.
+
+        The gradient keeps its graph (as in torch): `.grad` is not pointed at the bucket;
+        the averaged value is copied back into it when the step ends.
+        """
+        grad = param.grad
         with torch.no_grad():
             self._mark_ready(step, index, param)
+        if grad is not None and param.grad is not grad:
+            param.grad = grad
+            step.copy_back.append(index)
 
     def _mark_ready(self, step: StepState, index: int, param: torch.Tensor) -> None:
         """State "filling": the gradient into its slot; launch the bucket if it completed.
@@ -315,6 +323,8 @@ class Reducer:
 
     def _write_back(self, step: StepState, globally_unused: set[int]) -> None:
         """Leave the averaged gradients in `.grad`; a parameter no rank used keeps its own."""
+        for index in step.copy_back:  # gradients with a graph (create_graph=True)
+            self.params[index].grad.copy_(self._view_of[index])
         if self.grad_as_view:
             # Every gradient that reached its slot already points there.
             for index in step.without_grad:
