@@ -278,6 +278,55 @@ def autocast_bf16(DDP, ctx):
     return result(model)
 
 
+def _mixed_precision_by_hand(ctx, reduce_dtype) -> dict:
+    """torch's mixed-precision arithmetic written out with the native all-reduce.
+
+    torch's own class needs accelerator events for it ("cpu backend doesn't support
+    events"), so on CPU this is the oracle: bf16 compute, the sum in reduce_dtype, the
+    division, rounding to bf16, upcast for an fp32 optimizer step.
+    """
+    dist = torch.distributed
+    model = built(WithBatchNorm, perturb_rank=1)
+    params, buffers = list(model.parameters()), list(model.buffers())
+    for tensor in params + buffers:
+        dist.broadcast(tensor.data, 0)
+    for buffer in buffers:
+        buffer.data = buffer.to(torch.bfloat16)
+    opt = torch.optim.SGD(params, lr=0.1)
+    for x, y in batches(ctx, 3):
+        opt.zero_grad()
+        full = [p.data for p in params]
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+        for buffer in buffers:
+            dist.broadcast(buffer, 0)
+        ((model(x.to(torch.bfloat16)) - y) ** 2).mean().backward()
+        for p, f in zip(params, full, strict=True):
+            wire = p.grad.to(reduce_dtype)
+            dist.all_reduce(wire)
+            grad = wire.div_(ctx.world_size).to(torch.bfloat16)
+            p.grad, p.data = None, f
+            p.grad = grad.to(f.dtype)
+        opt.step()
+    return result(model, dtypes=[str(p.dtype) for p in params])
+
+
+def mixed_precision(DDP, ctx, reduce_dtype=torch.float32):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    if DDP is nn.parallel.DistributedDataParallel:
+        return _mixed_precision_by_hand(ctx, reduce_dtype)
+    model = built(WithBatchNorm, perturb_rank=1)
+    config = _MixedPrecision(torch.bfloat16, reduce_dtype, torch.bfloat16)
+    ddp = DDP(model, mixed_precision=config)
+    train(ddp, model, batches(ctx, 3))
+    return result(model, dtypes=[str(p.dtype) for p in model.parameters()])
+
+
+def mixed_precision_bf16_reduce(DDP, ctx):
+    return mixed_precision(DDP, ctx, reduce_dtype=torch.bfloat16)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in [
@@ -301,6 +350,8 @@ SCENARIOS = {
         ignored,
         mesh,
         autocast_bf16,
+        mixed_precision,
+        mixed_precision_bf16_reduce,
     ]
 }
 

@@ -35,6 +35,7 @@ from lockstep.engine.collective import (
     SkipUnusedBuckets,
 )
 from lockstep.engine.delayed import DelayedAllReduce
+from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
 from lockstep.engine.reducer import Reducer, StepObserver
 from lockstep.engine.replicas import broadcast_tensors
 from lockstep.engine.static_graph import StaticGraph
@@ -136,6 +137,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         named = managed_parameters(self.module, self.parameters_to_ignore)
         self.reducer = self._build_reducer(named)
         self._delayed = self._build_delayed()
+        self._mp = self._build_mixed_precision()
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()
@@ -145,7 +147,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         lws = args.local_world_size or ctx.local_world_size
         transport = Transport(self.process_group, args.allreduce, lws)
         first_cap, cap, cap_list = args.caps_bytes()
-        collective = AllReduceMean(transport, ctx.world_size, args.batched_grad_copy)
+        collective: BucketCollective = AllReduceMean(
+            transport, ctx.world_size, args.batched_grad_copy
+        )
+        mp = args.mixed_precision
+        if mp is not None:  # gradients in param_dtype cannot be views of full buckets
+            collective = MixedPrecisionReduce(
+                transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
+            )
         return Reducer(
             named,
             self._with_skip(collective),
@@ -156,7 +165,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             cap_bytes=cap,
             cap_list=cap_list,
             find_unused=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            gradient_as_bucket_view=self.gradient_as_bucket_view and mp is None,
             check_data_passes=args.check_data_passes,
         )
 
@@ -175,6 +184,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         return DelayedAllReduce(
             params, args.param_to_hook_all_reduce, self.process_group, self.ctx.world_size, src
         )
+
+    def _build_mixed_precision(self) -> MixedPrecision | None:
+        if self.mixed_precision is None:
+            return None
+        params = [p for _, p in self._named_state(buffers=False)]
+        buffers = [b for b in self.module.buffers() if not getattr(b, "_ddp_ignored", False)]
+        mp = MixedPrecision(self.mixed_precision, params, buffers)
+        self.reducer.observers.append(mp.after_step)
+        return mp
 
     def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
         """Parameters (and buffers) not ignored, each tensor once."""
@@ -219,6 +237,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             join.announce_sync(self)
         if self.device_ids:
             args, kwargs = self._to_device((args, kwargs))
+        if self._mp is not None:
+            args, kwargs = self._mp.before_forward(args, kwargs)
         output = self.module(*args, **kwargs)
         self.require_forward_param_sync = grad_sync
         if not grad_sync:
