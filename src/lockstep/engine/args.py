@@ -106,6 +106,13 @@ class DDPArguments:
             )
 
     # ------------------------------------------------------------ derived
+    def without_groups(self) -> DDPArguments:
+        """A copy without process groups (they do not pickle): the default group is used."""
+        copy = object.__new__(DDPArguments)
+        # No __post_init__: these were checked at wrap time.
+        copy.__dict__.update(self.__dict__, process_group=None, device_mesh=None)
+        return copy
+
     @property
     def group(self) -> dist.ProcessGroup:
         """The replicas' group: process_group, the mesh's group, or the default group."""
@@ -166,6 +173,18 @@ def _check_mixed_precision(config: Any) -> None:
             f"mixed_precision expected torch's _MixedPrecision (fields {fields}); "
             f"found {type(config).__name__}"
         )
+
+
+def ignore_for_model(module: nn.Module, names: Sequence[str]) -> None:
+    """Before wrapping: the named parameters and buffers stay local to each rank.
+
+    torch's `_set_params_and_buffers_to_ignore_for_model`: they are not broadcast,
+    not bucketed, not averaged.
+    """
+    module._ddp_params_and_buffers_to_ignore = list(names)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if name in names:
+            tensor._ddp_ignored = True
 
 
 def managed_parameters(module: nn.Module, ignored: set[str]) -> list[tuple[str, nn.Parameter]]:

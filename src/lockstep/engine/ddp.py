@@ -20,12 +20,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 from lockstep.context import DistContext, group_context
 from lockstep.engine import join
-from lockstep.engine.args import DDPArguments, check_module, managed_parameters
+from lockstep.engine.args import (
+    DDPArguments,
+    check_module,
+    ignore_for_model,
+    managed_parameters,
+)
 from lockstep.engine.checks import verify_same_parameters
 from lockstep.engine.collective import (
     AllReduceMean,
@@ -34,17 +39,17 @@ from lockstep.engine.collective import (
     CommHookCollective,
     SkipUnusedBuckets,
 )
-from lockstep.engine.delayed import DelayedAllReduce
+from lockstep.engine.delayed import DelayedAllReduce, build_delayed
+from lockstep.engine.figures import EngineFigures
 from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
-from lockstep.engine.reducer import Reducer, StepObserver
+from lockstep.engine.reducer import Reducer
 from lockstep.engine.replicas import broadcast_tensors
 from lockstep.engine.static_graph import StaticGraph
-from lockstep.engine.stats import StepStats
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
     """Data-parallel wrapper with torch DDP's arguments, attributes and semantics.
 
     The arguments are torch 2.13's, in its positional order, then lockstep's
@@ -136,7 +141,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
         self.reducer = self._build_reducer(named)
-        self._delayed = self._build_delayed()
+        self._delayed: DelayedAllReduce | None = build_delayed(
+            self._args, self.process_group, self.ctx.world_size
+        )
         self._mp = self._build_mixed_precision()
         self._static: StaticGraph | None = None
         if self._args.static_graph:
@@ -174,17 +181,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             return SkipUnusedBuckets(collective)
         return collective
 
-    def _build_delayed(self) -> DelayedAllReduce | None:
-        args = self._args
-        if not args.delay_all_reduce_named_params:
-            return None
-        params = [p for _, p in args.delay_all_reduce_named_params]
-        src = dist.get_global_rank(self.process_group, 0)
-        assert args.param_to_hook_all_reduce is not None
-        return DelayedAllReduce(
-            params, args.param_to_hook_all_reduce, self.process_group, self.ctx.world_size, src
-        )
-
     def _build_mixed_precision(self) -> MixedPrecision | None:
         if self.mixed_precision is None:
             return None
@@ -209,9 +205,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "group; this one was given another. Save module.state_dict() instead."
             )
         state = dict(self.__dict__)
-        for key in ("process_group", "ctx", "reducer", "_delayed", "_static"):
+        for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp"):
             state.pop(key, None)
-        state["_args"] = _without_groups(self._args)
+        state["_args"] = self._args.without_groups()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -320,41 +316,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = True
         self._static = StaticGraph(self.reducer)
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-        module: nn.Module, names: Sequence[str]
-    ) -> None:
-        """Before wrapping: the named parameters and buffers stay local (torch's call)."""
-        module._ddp_params_and_buffers_to_ignore = list(names)
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if name in names:
-                tensor._ddp_ignored = True
-
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """The context for uneven inputs: `Join([self], ...)` (`engine/join.py`)."""
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> join.DDPJoinHook:
-        """What this wrapper does on a rank that has joined (`engine/join.py`)."""
-        return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.reducer.params[0].device if self.reducer.params else torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(ignore_for_model)
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the bucket all-reduce with `hook(state, bucket) -> Future[Tensor]`.
@@ -371,28 +333,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._hooked = True
         self.reducer.set_collective(self._with_skip(CommHookCollective(hook, state)))
 
-    def add_step_observer(self, observer: StepObserver) -> None:
-        """Call `observer(stats)` at the end of every synchronised step (after averaging).
-
-        Observers run inside backward's final callback, so they must be cheap; the
-        tracer and the monitor use this to see every step without extra clock reads.
-        """
-        self.reducer.observers.append(observer)
-
-    @property
-    def stats(self) -> StepStats | None:
-        """Figures of the last synchronised step, or None before the first."""
-        return self.reducer.last_stats
-
-    @property
-    def payload_bytes(self) -> int:
-        """Gradient bytes all-reduced per synchronised step (the sum of bucket sizes)."""
-        return sum(bucket.nbytes for bucket in self.reducer.buckets)
-
-    def bucket_layout(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order."""
-        return [[self.reducer.names[i] for i in idx] for idx in self.reducer.layout]
-
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""
         return self.module.state_dict(*args, **kwargs)
@@ -402,14 +342,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if any(key.startswith("module.") for key in state_dict):
             state_dict = {key.removeprefix("module."): v for key, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def _without_groups(args: DDPArguments) -> DDPArguments:
-    """The arguments without process groups (which do not pickle); the default is used."""
-    copy = object.__new__(DDPArguments)
-    # No __post_init__: these were checked at wrap time.
-    copy.__dict__.update(args.__dict__, process_group=None, device_mesh=None)
-    return copy
 
 
 DDP = DistributedDataParallel

@@ -11,12 +11,16 @@ it. As in torch this happens on every backward, under `no_sync()` too.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lockstep.engine.replicas import broadcast_tensors
+
+if TYPE_CHECKING:
+    from lockstep.engine.args import DDPArguments
 
 
 class DelayedAllReduce:
@@ -68,3 +72,15 @@ class DelayedAllReduce:
         work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
         torch.autograd.Variable._execution_engine.queue_callback(work.wait)
         return grad
+
+
+def build_delayed(
+    args: DDPArguments, process_group: dist.ProcessGroup, world_size: int
+) -> DelayedAllReduce | None:
+    """The delayed all-reduce the arguments ask for, or None."""
+    if not args.delay_all_reduce_named_params:
+        return None
+    assert args.param_to_hook_all_reduce is not None
+    params = [p for _, p in args.delay_all_reduce_named_params]
+    src = dist.get_global_rank(process_group, 0)
+    return DelayedAllReduce(params, args.param_to_hook_all_reduce, process_group, world_size, src)

@@ -15,17 +15,49 @@ result equals torch DDP's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.replicas import broadcast_tensors
 
 if TYPE_CHECKING:
     from lockstep.engine.ddp import DistributedDataParallel
+
+
+class JoinableDDP(Joinable):
+    """The wrapper's side of torch's Join protocol (the wrapper inherits it)."""
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """The context for uneven inputs: `Join([self], ...)`."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """What this wrapper does on a rank that has joined."""
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        return DDPJoinHook(self, divide)  # type: ignore[arg-type]
+
+    @property
+    def join_device(self) -> torch.device:
+        params = self.reducer.params  # type: ignore[attr-defined]
+        return params[0].device if params else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group  # type: ignore[attr-defined]
 
 
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:

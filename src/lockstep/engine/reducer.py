@@ -16,8 +16,8 @@ became ready (rank 0's order, broadcast to all).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import Averaging, BucketCollective
+from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.engine.data_passes import DataPasses
 from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
 from lockstep.engine.stats import StepMarks, StepStats, step_stats
@@ -34,7 +35,6 @@ from lockstep.errors import UnusedParametersError
 
 StepObserver = Callable[[StepStats], None]
 GradHook = Callable[[torch.Tensor], None]
-_CREATE_GRAPH_WARNED = [False]
 
 
 class Reducer:
@@ -220,24 +220,11 @@ class Reducer:
         self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         self._mark = self._mark_ready
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            self._mark = self._mark_without_graph
-            _warn_create_graph()
+        if torch.is_grad_enabled():  # backward(create_graph=True): `engine/create_graph.py`
+            self._mark = partial(mark_keeping_graph, self)
+            warn_once()
         for unused in step.unused:
             self._mark(step, unused, self.params[unused])
-
-    def _mark_without_graph(self, step: StepState, index: int, param: torch.Tensor) -> None:
-        """`_mark_ready` for a gradient that carries a graph: its value travels, not its graph.
-
-        The gradient keeps its graph (as in torch): `.grad` is not pointed at the bucket;
-        the averaged value is copied back into it when the step ends.
-        """
-        grad = param.grad
-        with torch.no_grad():
-            self._mark_ready(step, index, param)
-        if grad is not None and param.grad is not grad:
-            param.grad = grad
-            step.copy_back.append(index)
 
     def _mark_ready(self, step: StepState, index: int, param: torch.Tensor) -> None:
         """State "filling": the gradient into its slot; launch the bucket if it completed.
@@ -339,16 +326,3 @@ class Reducer:
                 param.grad = view.clone()
             else:
                 param.grad.copy_(view)
-
-
-def _warn_create_graph() -> None:
-    if not _CREATE_GRAPH_WARNED[0]:
-        _CREATE_GRAPH_WARNED[0] = True
-        warnings.warn(
-            "backward(create_graph=True) under DistributedDataParallel: first-order "
-            "gradients are averaged across ranks as usual, but the graph they carry is "
-            "not synchronised (as in torch): a backward through the gradients themselves "
-            "stays local to each rank.",
-            UserWarning,
-            stacklevel=2,
-        )
