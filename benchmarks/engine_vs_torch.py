@@ -2,9 +2,9 @@
 
     python benchmarks/engine_vs_torch.py                       # world size 2, all workloads
     python benchmarks/engine_vs_torch.py --world-sizes 2,4 --reps 6 --steps-per-rep 5
-    python benchmarks/engine_vs_torch.py --variant static_graph   # both wrappers static_graph=True
-    python benchmarks/engine_vs_torch.py --variant toggle_sync    # 2 micro-batches per step,
-                                                                  # require_backward_grad_sync toggled
+    python benchmarks/engine_vs_torch.py --variant static_graph  # both: static_graph=True
+    python benchmarks/engine_vs_torch.py --variant toggle_sync   # 2 micro-batches a step,
+                                                   # require_backward_grad_sync toggled
 
 Both engines wrap copies of the same model with the same bucket arguments
 (25 MiB buckets, 1 MiB first bucket, gradients as bucket views) and train in
