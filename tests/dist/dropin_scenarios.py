@@ -177,6 +177,24 @@ def join_by_remaining(DDP, ctx):
     return join(DDP, ctx, divide_by_initial=False, model_cls=MLP)
 
 
+def join_unused(DDP, ctx):
+    """Join with find_unused_parameters: the shadow also takes part in the used vote."""
+    model = built(WithUnused, perturb_rank=1)
+    ddp = DDP(model, find_unused_parameters=True)
+    with ddp.join():
+        train(ddp, model, batches(ctx, 2 + ctx.rank, seed=ctx.rank), use_sometimes=True)
+    return result(model)
+
+
+def join_accumulate(DDP, ctx):
+    """Join with two micro-batches a step: joined ranks learn which forwards synchronise."""
+    model = built(MLP, perturb_rank=1)
+    ddp = DDP(model)
+    with ddp.join():
+        train(ddp, model, batches(ctx, 1 + ctx.rank, seed=ctx.rank), micro=2)
+    return result(model)
+
+
 def pickled(DDP, ctx):
     """Save and deep-copy the wrapper after a step; both copies train on."""
     model = built(MLP, perturb_rank=1)
@@ -339,6 +357,8 @@ SCENARIOS = {
         create_graph_views,
         join,
         join_by_remaining,
+        join_unused,
+        join_accumulate,
         pickled,
         init_sync_off,
         buffers_not_synced,
