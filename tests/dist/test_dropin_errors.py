@@ -92,3 +92,26 @@ def test_late_static_graph_bad_config_and_pickling_another_group_are_refused():
     assert "before the first forward" in errors["static_graph late"]
     assert "_MixedPrecision" in errors["mixed_precision not a config"]
     assert "default process group" in errors["pickle with another group"]
+
+
+def _deprecations(ctx):
+    import warnings
+
+    out = {}
+    for engine, cls in [
+        ("lockstep", lockstep.DistributedDataParallel),
+        ("torch", nn.parallel.DistributedDataParallel),
+    ]:
+        for kwargs in ({"check_reduction": True}, {"broadcast_buffers": True}):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cls(MLP(), **kwargs)
+            key = (engine, next(iter(kwargs)))
+            out[key] = sorted({w.category.__name__ for w in caught if w.category is FutureWarning})
+    return out
+
+
+def test_deprecated_arguments_warn_as_torch_does():
+    out = run_ranks(_deprecations, 2)[0]
+    for argument in ("check_reduction", "broadcast_buffers"):
+        assert out[("lockstep", argument)] == out[("torch", argument)] == ["FutureWarning"]

@@ -310,8 +310,9 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             return
         if self.reducer.steps > 0 or self.reducer.step is not None:
             raise RuntimeError(
-                "_set_static_graph() must be called before the first forward; this wrapper "
-                "has run already. Pass static_graph=True to DistributedDataParallel instead."
+                "_set_static_graph() should be called before training loop starts (before "
+                "the first forward); this wrapper has run already. Pass static_graph=True "
+                "to DistributedDataParallel instead."
             )
         self.static_graph = True
         self._static = StaticGraph(self.reducer)
