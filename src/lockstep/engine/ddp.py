@@ -110,6 +110,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         if args.init_sync:
             self._build_replicas()
         self._build_runtime()
+        if self._delayed is not None:  # as torch: whatever init_sync says
+            self._delayed.broadcast_from(dist.get_global_rank(self.process_group, 0))
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""
@@ -205,8 +207,10 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
                 "group; this one was given another. Save module.state_dict() instead."
             )
         state = dict(self.__dict__)
-        for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp"):
+        # What holds a group, a hook or a Work; a registered comm hook is not kept.
+        for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
             state.pop(key, None)
+        state.pop("_join_announcement", None)
         state["_args"] = self._args.without_groups()
         return state
 

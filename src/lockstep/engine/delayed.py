@@ -31,7 +31,6 @@ class DelayedAllReduce:
         hook_param: the parameter whose gradient starts the all-reduce.
         process_group: the replicas' group.
         world_size: its size (the divisor).
-        src: global rank whose values every rank starts from.
     """
 
     def __init__(
@@ -40,11 +39,9 @@ class DelayedAllReduce:
         hook_param: nn.Parameter,
         process_group: dist.ProcessGroup,
         world_size: int,
-        src: int,
     ) -> None:
         self.params = list(params)
         self.group, self.world_size = process_group, world_size
-        broadcast_tensors(self.params, src=src, process_group=process_group)
         self.buffer = torch.zeros(
             sum(p.numel() for p in self.params),
             dtype=self.params[0].dtype,
@@ -55,6 +52,10 @@ class DelayedAllReduce:
             self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
         hook_param.register_hook(self._on_grad)
+
+    def broadcast_from(self, src: int) -> None:
+        """At wrap time: every rank starts from global rank `src`'s values."""
+        broadcast_tensors(self.params, src=src, process_group=self.group)
 
     def point_grads_at_buffer(self) -> None:
         """After a forward: `.grad` of each delayed parameter is its view (torch's rule)."""
@@ -82,5 +83,4 @@ def build_delayed(
         return None
     assert args.param_to_hook_all_reduce is not None
     params = [p for _, p in args.delay_all_reduce_named_params]
-    src = dist.get_global_rank(process_group, 0)
-    return DelayedAllReduce(params, args.param_to_hook_all_reduce, process_group, world_size, src)
+    return DelayedAllReduce(params, args.param_to_hook_all_reduce, process_group, world_size)
