@@ -235,7 +235,8 @@ def broadcast_buffers_off(DDP, ctx):
 
 def skip_unused(DDP, ctx):
     model = built(WithUnused)
-    ddp = DDP(model, find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    kwargs = {"find_unused_parameters": True, "skip_all_reduce_unused_params": True}
+    ddp = DDP(model, bucket_cap_mb=0.0001, **kwargs)  # `never` gets buckets of its own
     train(ddp, model, batches(ctx, 3))
     return result(model)
 
