@@ -195,6 +195,19 @@ def join_accumulate(DDP, ctx):
     return result(model)
 
 
+def join_throw(DDP, ctx):
+    """throw_on_early_termination: every rank raises once the first runs out."""
+    model = built(MLP)
+    ddp = DDP(model)
+    raised = None
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            train(ddp, model, batches(ctx, 1 + ctx.rank, seed=ctx.rank))
+    except RuntimeError as error:
+        raised = type(error).__name__
+    return result(model, raised=raised)
+
+
 def pickled(DDP, ctx):
     """Save and deep-copy the wrapper after a step; both copies train on."""
     model = built(MLP, perturb_rank=1)
@@ -360,6 +373,7 @@ SCENARIOS = {
         join_by_remaining,
         join_unused,
         join_accumulate,
+        join_throw,
         pickled,
         init_sync_off,
         buffers_not_synced,

@@ -60,3 +60,9 @@ def test_create_graph_warns_once(runs):
     _, per_rank = runs
     for results in per_rank:
         assert results[("create_graph", "lockstep")]["warnings"] <= 1
+
+
+def test_join_throw_raises_on_every_rank(runs):
+    _, per_rank = runs
+    for results in per_rank:
+        assert results[("join_throw", "lockstep")]["raised"] == "RuntimeError"
