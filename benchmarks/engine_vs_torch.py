@@ -2,6 +2,9 @@
 
     python benchmarks/engine_vs_torch.py                       # world size 2, all workloads
     python benchmarks/engine_vs_torch.py --world-sizes 2,4 --reps 6 --steps-per-rep 5
+    python benchmarks/engine_vs_torch.py --variant static_graph  # both: static_graph=True
+    python benchmarks/engine_vs_torch.py --variant toggle_sync   # 2 micro-batches a step,
+                                                   # require_backward_grad_sync toggled
 
 Both engines wrap copies of the same model with the same bucket arguments
 (25 MiB buckets, 1 MiB first bucket, gradients as bucket views) and train in
@@ -45,22 +48,35 @@ def _wchar() -> int:
 class Runner:
     """One way of training a copy of the workload's model: ours, torch, plain or after."""
 
-    def __init__(self, kind: str, name: str, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, kind: str, name: str, group: dist.ProcessGroup | None, variant: str = "default"
+    ) -> None:
         self.kind, self.workload = kind, WORKLOADS[name]
         self.model = build(name)
         self.group = group
+        self.micro = 2 if variant == "toggle_sync" else 1
+        extra = {"static_graph": True} if variant == "static_graph" else {}
         if kind == "lockstep":
-            self.model = lockstep.DistributedDataParallel(self.model, process_group=group)
+            self.model = lockstep.DistributedDataParallel(self.model, process_group=group, **extra)
         elif kind == "torch":
             self.model = nn.parallel.DistributedDataParallel(
-                self.model, process_group=group, gradient_as_bucket_view=True
+                self.model, process_group=group, gradient_as_bucket_view=True, **extra
             )
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+
+    def _forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.micro == 1:
+            self.workload.loss(self.model(batch[0]), batch[1]).backward()
+            return
+        for k in range(self.micro):  # the attribute, as training loops toggle it
+            if self.kind in ("lockstep", "torch"):
+                self.model.require_backward_grad_sync = k == self.micro - 1
+            self.workload.loss(self.model(batch[0]), batch[1]).backward()
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
         start, sent = time.perf_counter(), _wchar()
         self.opt.zero_grad()
-        self.workload.loss(self.model(batch[0]), batch[1]).backward()
+        self._forward_backward(batch)
         if self.kind == "after":
             grads = [p.grad for p in self.model.parameters()]
             flat = torch._utils._flatten_dense_tensors(grads)
@@ -92,13 +108,14 @@ def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> 
     gen = torch.Generator().manual_seed(100 + ctx.rank)
     batches = [WORKLOADS[name].batch(gen) for _ in range(4)]
     solo = _own_group(ctx)
+    v = args.variant
     runners = {
-        "lockstep": Runner("lockstep", name, None),
-        "torch": Runner("torch", name, None),
-        "plain": Runner("plain", name, None),
-        "after": Runner("after", name, None),
-        "lockstep_ws1": Runner("lockstep", name, solo),
-        "torch_ws1": Runner("torch", name, solo),
+        "lockstep": Runner("lockstep", name, None, v),
+        "torch": Runner("torch", name, None, v),
+        "plain": Runner("plain", name, None, v),
+        "after": Runner("after", name, None, v),
+        "lockstep_ws1": Runner("lockstep", name, solo, v),
+        "torch_ws1": Runner("torch", name, solo, v),
     }
     times: dict[str, list[list[float]]] = {k: [] for k in runners}
     sent: dict[str, list[int]] = {k: [] for k in runners}
@@ -180,6 +197,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--steps-per-rep", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--variant",
+        choices=("default", "static_graph", "toggle_sync"),
+        default="default",
+        help="static_graph=True in both wrappers, or 2 micro-batches per step with "
+        "require_backward_grad_sync toggled",
+    )
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     rows = {}

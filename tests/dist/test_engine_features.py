@@ -210,7 +210,7 @@ def test_stats_describe_each_bucket_in_order():
 
 def _bad_args(ctx):
     errors = []
-    for kwargs in [{"bucket_cap_mb": 0}, {"device_ids": [0, 1]}]:
+    for kwargs in [{"bucket_cap_mb": 0}, {"device_ids": [0, 1]}, {"device_ids": [0]}]:
         try:
             lockstep.DistributedDataParallel(MLP(), **kwargs)
         except ValueError as error:
@@ -218,7 +218,7 @@ def _bad_args(ctx):
     frozen = MLP().requires_grad_(False)
     try:
         lockstep.DistributedDataParallel(frozen)
-    except ValueError as error:
+    except RuntimeError as error:  # torch's type
         errors.append(str(error))
     dist.barrier()
     return errors
@@ -226,7 +226,8 @@ def _bad_args(ctx):
 
 def test_bad_arguments_get_clear_errors():
     errors = run_ranks(_bad_args, 1)[0]
-    assert len(errors) == 3
+    assert len(errors) == 4
     assert "must be positive" in errors[0]
     assert "exactly one device" in errors[1]
-    assert "requires grad" in errors[2]
+    assert "only to a module on one accelerator" in errors[2]  # a CPU module, as torch
+    assert "requires grad" in errors[3]

@@ -52,3 +52,34 @@ def test_nccl_engine_matches_torch_ddp(nccl_group):
     ours, theirs = _train("lockstep"), _train("torch")
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+def _train_amp(engine: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """autocast with a GradScaler, the usual GPU mixed-precision loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    cls = (
+        lockstep.DistributedDataParallel
+        if engine == "lockstep"
+        else nn.parallel.DistributedDataParallel
+    )
+    ddp = cls(model, device_ids=[0], gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(32, 64, generator=gen)
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=dtype):
+            loss = ddp(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_with_grad_scaler_matches_torch_ddp(nccl_group, dtype):
+    ours, theirs = _train_amp("lockstep", dtype), _train_amp("torch", dtype)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)

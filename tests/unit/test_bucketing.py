@@ -86,3 +86,10 @@ def test_trainable_parameters_skip_frozen_and_count_tied_once():
     assert [name for name, _ in named] == ["embed.weight"]
     specs = param_specs(named)
     assert specs[0].nbytes == 10 * 4 * 4
+
+
+def test_cap_list_gives_each_bucket_its_own_cap():
+    """torch's bucket_cap_mb_list: bucket k uses caps[k], the last cap for all later ones."""
+    specs = param_specs([(f"p{i}", torch.zeros(25)) for i in range(6)])  # 100 bytes each
+    layout = assign_buckets(specs, cap_list=[100, 300])
+    assert layout == [[5], [4, 3, 2], [1, 0]]

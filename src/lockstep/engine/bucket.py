@@ -88,6 +88,9 @@ class Bucket:
         """
         if self.averaging is None:
             view.copy_(grad)
+        elif self.averaging.copies_divided:
+            view.copy_(grad)
+            self.found_in_place.append(view)
         else:
             torch.mul(grad, self.averaging.multiplier, out=view)
             self.scaled_copies += 1

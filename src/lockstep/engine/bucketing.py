@@ -71,6 +71,7 @@ def assign_buckets(
     *,
     first_cap_bytes: int = 1 * MB,
     cap_bytes: int = 25 * MB,
+    cap_list: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group parameters into buckets.
 
@@ -80,6 +81,8 @@ def assign_buckets(
             (the usual backward order) when None.
         first_cap_bytes: cap of the first bucket of each (dtype, device).
         cap_bytes: cap of every later bucket.
+        cap_list: per-bucket caps instead (torch's bucket_cap_mb_list): the k-th bucket of
+            each (dtype, device) uses cap_list[k], the last one for all after it.
 
     Returns:
         Buckets in launch order, each a list of parameter indices in ready order.
@@ -100,16 +103,16 @@ def assign_buckets(
     closed: list[list[int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    caps: dict[tuple[torch.dtype, torch.device], int] = {}
+    caps = list(cap_list) if cap_list else [first_cap_bytes, cap_bytes]
+    counts: dict[tuple[torch.dtype, torch.device], int] = {}
     for index in order:
         spec = specs[index]
         key = (spec.dtype, spec.device)
         open_buckets.setdefault(key, []).append(index)
         sizes[key] = sizes.get(key, 0) + spec.nbytes
-        cap = caps.setdefault(key, first_cap_bytes)
-        if sizes[key] >= cap:
+        if sizes[key] >= caps[min(counts.get(key, 0), len(caps) - 1)]:
             closed.append(open_buckets.pop(key))
             sizes[key] = 0
-            caps[key] = cap_bytes
+            counts[key] = counts.get(key, 0) + 1
     closed.extend(bucket for bucket in open_buckets.values() if bucket)
     return closed

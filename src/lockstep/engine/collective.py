@@ -15,6 +15,7 @@ The sharded engine adds a reduce-scatter here; nothing else needs to change.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,11 +42,12 @@ class Averaging:
 
     divisor: int
     multiplier: torch.Tensor
+    copies_divided: bool = False  # batched_grad_copy: copies too are divided with the bucket
 
     @classmethod
-    def for_dtype(cls, world_size: int, dtype: torch.dtype) -> Averaging:
+    def for_dtype(cls, world_size: int, dtype: torch.dtype, batched: bool = False) -> Averaging:
         scalar_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        return cls(world_size, torch.tensor(1.0 / world_size, dtype=scalar_dtype))
+        return cls(world_size, torch.tensor(1.0 / world_size, dtype=scalar_dtype), batched)
 
 
 class BucketCollective(Protocol):
@@ -67,12 +69,15 @@ class BucketCollective(Protocol):
 class AllReduceMean:
     """The default: gradients averaged by the engine, then one SUM all-reduce per bucket."""
 
-    def __init__(self, transport: Transport, world_size: int) -> None:
+    def __init__(self, transport: Transport, world_size: int, batched: bool = False) -> None:
         self.transport = transport
         self.world_size = world_size
+        self.batched = batched  # torch's batched_grad_copy: plain copies, one division
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
-        return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None
+        if self.world_size == 1:
+            return None
+        return Averaging.for_dtype(self.world_size, dtype, self.batched)
 
     def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
         bucket.divide_found_in_place()
@@ -99,3 +104,37 @@ class CommHookCollective:
 
     def sent_bytes(self) -> int | None:
         return self._take_sent() if self._take_sent is not None else None
+
+
+class _Skipped:
+    """The handle of a collective that did not need to run: done at once."""
+
+    def __init__(self) -> None:
+        self.done_at = time.perf_counter()
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class SkipUnusedBuckets:
+    """skip_all_reduce_unused_params: a bucket none of whose parameters got a gradient
+    this step is not reduced (its zeros stay zeros), as torch does; the user promises
+    that every rank leaves the same parameters unused.
+    """
+
+    def __init__(self, inner: BucketCollective) -> None:
+        self.inner = inner
+
+    def averaging(self, dtype: torch.dtype) -> Averaging | None:
+        return self.inner.averaging(dtype)
+
+    def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
+        if all(p.grad is None for p in bucket.params):
+            return _Skipped()
+        return self.inner.launch(bucket, is_last)
+
+    def sent_bytes(self) -> int | None:
+        return self.inner.sent_bytes()

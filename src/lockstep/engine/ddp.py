@@ -1,209 +1,329 @@
 """`DistributedDataParallel`: the bucketed, overlapping engine, as a drop-in for torch's.
 
-Wrapping checks that every rank holds the same parameters, broadcasts rank 0's
-weights and buffers, and builds a `Reducer` (buckets and hooks). Each forward
-rebuilds the buckets once if due, broadcasts buffers when asked, runs the
-module, and arms the reducer; the synchronisation itself happens inside
-`loss.backward()`, and `optimizer.step()` stays purely local.
+Wrapping checks the arguments (`engine/args.py`), checks that every rank holds
+the same parameters, broadcasts rank 0's weights and buffers, and builds a
+`Reducer` (buckets and hooks), plus the optional parts each argument asks for:
+static graph, delayed all-reduce, skipped unused buckets. Each forward rebuilds
+the buckets once if due, broadcasts buffers when asked, runs the module, and arms
+the reducer; the synchronisation itself happens inside `loss.backward()`, and
+`optimizer.step()` stays purely local.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 from lockstep.compiler import keep_out_of_graphs
 from lockstep.context import DistContext, group_context
-from lockstep.engine.bucketing import MB, trainable_parameters
+from lockstep.engine import join
+from lockstep.engine.args import (
+    DDPArguments,
+    check_module,
+    ignore_for_model,
+    managed_parameters,
+)
 from lockstep.engine.checks import verify_same_parameters
-from lockstep.engine.collective import AllReduceMean, CommHook, CommHookCollective
-from lockstep.engine.reducer import Reducer, StepObserver
-from lockstep.engine.replicas import broadcast_module, broadcast_tensors
-from lockstep.engine.stats import StepStats
+from lockstep.engine.collective import (
+    AllReduceMean,
+    BucketCollective,
+    CommHook,
+    CommHookCollective,
+    SkipUnusedBuckets,
+)
+from lockstep.engine.delayed import DelayedAllReduce, build_delayed
+from lockstep.engine.figures import EngineFigures
+from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
+from lockstep.engine.reducer import Reducer
+from lockstep.engine.replicas import broadcast_tensors
+from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
 
 
-class DistributedDataParallel(nn.Module):
-    """Data-parallel wrapper with torch DDP's arguments and semantics.
+class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
+    """Data-parallel wrapper with torch DDP's arguments, attributes and semantics.
 
-    Args:
-        module: the model; every rank builds the same one.
-        process_group: the replicas' group; the default group when None.
-        bucket_cap_mb: cap of every bucket but the first, in MiB.
-        first_bucket_cap_mb: cap of the first bucket, in MiB (small, to start early).
-        broadcast_buffers: broadcast rank 0's buffers before each forward.
-        find_unused_parameters: tolerate parameters that get no gradient in a step.
-        gradient_as_bucket_view: let `.grad` be views into the buckets (no extra copy).
-        device_ids: for a module on one CUDA device, `[device index]`; inputs move there.
-        output_device: accepted for compatibility; outputs stay where the module puts them.
-        allreduce: "native" (the backend's), or "ring", "tree", "hierarchical" from
-            `lockstep.collectives`.
-        local_world_size: processes per node, for allreduce="hierarchical"; by default
-            the launcher's LOCAL_WORLD_SIZE (one node when there is none).
-        check_data_passes: the step fingerprint (`engine/fingerprint.py`) also compares
-            which pass over its DataLoader fed each rank's step, so uneven data is caught
-            at the first step it pairs wrongly. Turn off only for a loader that every rank
-            restarts when it runs out, for a fixed number of steps.
+    The arguments are torch 2.13's, in its positional order, then lockstep's
+    keyword-only `first_bucket_cap_mb`, `allreduce` ("native", or "ring", "tree",
+    "hierarchical" from `lockstep.collectives`), `local_world_size` (processes per
+    node for "hierarchical") and `check_data_passes` (the step fingerprint compares
+    passes over the data). `engine/args.py` documents each; `docs/compat.md` lists
+    what each does here and the test that shows it.
 
     Raises:
-        ValueError: an argument is out of range.
+        RuntimeError: no trainable parameter; process_group with device_mesh.
+        ValueError: device_ids on a CPU module; an argument out of range.
         RankMismatchError: ranks hold different parameters (raised on every rank).
     """
 
     def __init__(
         self,
         module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25,
-        first_bucket_cap_mb: float = 1,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = True,
-        device_ids: list[int | torch.device] | None = None,
+        device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        first_bucket_cap_mb: float | None = None,
         allreduce: str = NATIVE,
         local_world_size: int | None = None,
         check_data_passes: bool = True,
     ) -> None:
         super().__init__()
-        keep_out_of_graphs()  # torch.compile traces the wrapped module, never this wrapper
-        self._check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, device_ids)
+        Joinable.__init__(self)
+        args = DDPArguments(
+            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+            bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
+            static_graph, delay_all_reduce_named_params, param_to_hook_all_reduce,
+            mixed_precision, device_mesh, skip_all_reduce_unused_params, bucket_cap_mb_list,
+            batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, allreduce,
+            local_world_size, check_data_passes,
+        )  # fmt: skip
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
+        check_module(module, args, ignored)
         self.module = module
-        self.process_group = process_group
-        self.ctx: DistContext = group_context(process_group, "DistributedDataParallel")
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.device_ids = device_ids
-        self.output_device = output_device
-        self._sync_grads = True
-        self._sync_buffers_before_forward = True
-        named = trainable_parameters(module)
-        self._build_replicas(named)
-        self.reducer = self._build_reducer(
-            named,
-            bucket_cap_mb,
-            first_bucket_cap_mb,
-            allreduce,
-            local_world_size,
-            check_data_passes,
-        )
+        self._build_settings(args, ignored)
+        if args.init_sync:
+            self._build_replicas()
+        self._build_runtime()
+        if self._delayed is not None:  # as torch: whatever init_sync says
+            self._delayed.broadcast_from(dist.get_global_rank(self.process_group, 0))
 
-    @staticmethod
-    def _check_arguments(
-        module: nn.Module, cap_mb: float, first_cap_mb: float, device_ids: list | None
-    ) -> None:
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                "DistributedDataParallel expected a module with at least one parameter that "
-                "requires grad; found none. Unfreeze a parameter, or do not wrap this module."
-            )
-        if cap_mb <= 0 or first_cap_mb <= 0:
-            raise ValueError(
-                f"bucket_cap_mb and first_bucket_cap_mb must be positive; found {cap_mb} and "
-                f"{first_cap_mb}"
-            )
-        if device_ids is not None and len(device_ids) != 1:
-            raise ValueError(
-                f"device_ids must be None or name exactly one device; found {device_ids}. "
-                "Run one process per device."
-            )
+    def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
+        """Plain attributes with torch's names; everything here pickles."""
+        self._args = args
+        self.parameters_to_ignore = ignored
+        self.dim = args.dim
+        self.device_ids = list(args.device_ids) if args.device_ids else None
+        self.output_device = args.output_device if self.device_ids else None
+        self.forward_sync_buffers = args.forward_buffers
+        self.find_unused_parameters = args.find_unused_parameters
+        self.gradient_as_bucket_view = args.gradient_as_bucket_view
+        self.mixed_precision = args.mixed_precision
+        self.static_graph = False
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
 
-    def _build_replicas(self, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _build_replicas(self) -> None:
         """Check that every rank holds the same parameters, then copy rank 0's state."""
-        verify_same_parameters(named, self.process_group)
-        broadcast_module(self.module, self.process_group)
+        group = self._args.group
+        verify_same_parameters(managed_parameters(self.module, self.parameters_to_ignore), group)
+        state = self._named_state(buffers=self._args.init_buffers)
+        src = dist.get_global_rank(group, 0)
+        broadcast_tensors([t for _, t in state], src=src, process_group=group)
 
-    def _build_reducer(
-        self,
-        named: list[tuple[str, nn.Parameter]],
-        cap_mb: float,
-        first_cap_mb: float,
-        allreduce: str,
-        local_world_size: int | None,
-        check_data_passes: bool,
-    ) -> Reducer:
-        ctx = self.ctx
-        transport = Transport(
-            self.process_group, allreduce, local_world_size or ctx.local_world_size
+    def _build_runtime(self) -> None:
+        """What holds a process group or hooks (rebuilt after unpickling)."""
+        keep_out_of_graphs()  # torch.compile traces the wrapped module, never this wrapper
+        self.process_group = self._args.group
+        self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
+        named = managed_parameters(self.module, self.parameters_to_ignore)
+        self.reducer = self._build_reducer(named)
+        self._delayed: DelayedAllReduce | None = build_delayed(
+            self._args, self.process_group, self.ctx.world_size
         )
+        self._mp = self._build_mixed_precision()
+        self._static: StaticGraph | None = None
+        if self._args.static_graph:
+            self._set_static_graph()
+
+    def _build_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
+        args, ctx = self._args, self.ctx
+        lws = args.local_world_size or ctx.local_world_size
+        transport = Transport(self.process_group, args.allreduce, lws)
+        first_cap, cap, cap_list = args.caps_bytes()
+        collective: BucketCollective = AllReduceMean(
+            transport, ctx.world_size, args.batched_grad_copy
+        )
+        mp = args.mixed_precision
+        if mp is not None:  # gradients in param_dtype cannot be views of full buckets
+            collective = MixedPrecisionReduce(
+                transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
+            )
         return Reducer(
             named,
-            AllReduceMean(transport, ctx.world_size),
+            self._with_skip(collective),
             process_group=self.process_group,
             rank=ctx.rank,
             world_size=ctx.world_size,
-            first_cap_bytes=int(first_cap_mb * MB),
-            cap_bytes=int(cap_mb * MB),
+            first_cap_bytes=first_cap,
+            cap_bytes=cap,
+            cap_list=cap_list,
             find_unused=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            check_data_passes=check_data_passes,
+            gradient_as_bucket_view=self.gradient_as_bucket_view and mp is None,
+            check_data_passes=args.check_data_passes,
         )
+
+    def _with_skip(self, collective: BucketCollective) -> BucketCollective:
+        if self._args.skip_all_reduce_unused_params:
+            return SkipUnusedBuckets(collective)
+        return collective
+
+    def _build_mixed_precision(self) -> MixedPrecision | None:
+        if self.mixed_precision is None:
+            return None
+        params = [p for _, p in self._named_state(buffers=False)]
+        buffers = [b for b in self.module.buffers() if not getattr(b, "_ddp_ignored", False)]
+        mp = MixedPrecision(self.mixed_precision, params, buffers)
+        self.reducer.observers.append(mp.after_step)
+        return mp
+
+    def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
+        """Parameters (and buffers) not ignored, each tensor once."""
+        named = list(self.module.named_parameters())
+        if buffers:
+            named += list(self.module.named_buffers())
+        return [(n, t) for n, t in named if n not in self.parameters_to_ignore]
+
+    # ---------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not dist.distributed_c10d._get_default_group():
+            raise RuntimeError(
+                "DistributedDataParallel pickles only when it uses the default process "
+                "group; this one was given another. Save module.state_dict() instead."
+            )
+        state = dict(self.__dict__)
+        # What holds a group, a hook or a Work; a registered comm hook is not kept.
+        for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
+            state.pop(key, None)
+        state.pop("_join_announcement", None)
+        state["_args"] = self._args.without_groups()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """An unpickled (or deep-copied) wrapper works in the current default group."""
+        super().__setstate__(state)
+        Joinable.__init__(self)
+        self._build_runtime()
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         self.reducer.check_previous_step()
-        grad_sync = torch.is_grad_enabled() and self._sync_grads
-        if torch.is_grad_enabled():
+        grad_enabled = torch.is_grad_enabled()
+        grad_sync = grad_enabled and self.require_backward_grad_sync
+        joining = self._join_config.enable
+        if joining:
+            join.before_forward(self)
+        if grad_enabled:
             self.reducer.rebuild_if_needed()
-        if self._sync_buffers_before_forward and self.broadcast_buffers:
-            self._broadcast_buffers()
+        if self.will_sync_module_buffers():
+            self._sync_buffers(join.common_rank(self, True) if joining else 0)
+        if joining:
+            join.announce_sync(self)
         if self.device_ids:
             args, kwargs = self._to_device((args, kwargs))
+        if self._mp is not None:
+            args, kwargs = self._mp.before_forward(args, kwargs)
         output = self.module(*args, **kwargs)
+        self.require_forward_param_sync = grad_sync
         if not grad_sync:
-            self.reducer.forward_without_sync(accumulating=torch.is_grad_enabled())
+            self.reducer.forward_without_sync(accumulating=grad_enabled)
         else:
-            unused = (
-                unreachable_parameters(output, self.reducer.params)
-                if self.find_unused_parameters
-                else []
-            )
-            self.reducer.arm(unused, start, time.perf_counter())
-        # Like torch DDP: buffers are synced before a forward that follows a synced one.
-        self._sync_buffers_before_forward = grad_sync
+            self.reducer.arm(self._unused(output), start, time.perf_counter())
+            if self._static is not None:
+                output = self._static.wrap_output(output)
+        if self._delayed is not None:
+            self._delayed.point_grads_at_buffer()
         return output
 
-    def _broadcast_buffers(self) -> None:
-        buffers = list(self.module.buffers())
+    def _unused(self, output: Any) -> list[int]:
+        """Parameters this backward will not reach (pre-marked ready when it starts)."""
+        if self._static is not None:
+            return self._static.unused()
+        if self.find_unused_parameters:
+            return unreachable_parameters(output, self.reducer.params)
+        return []
+
+    def _sync_buffers(self, src_rank: int) -> None:
+        """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
+        buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
         if buffers and self.ctx.world_size > 1:
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+            src = dist.get_global_rank(self.process_group, src_rank)
             broadcast_tensors(buffers, src=src, process_group=self.process_group)
 
     def _to_device(self, tree: Any) -> Any:
-        device = (
-            torch.device("cuda", self.device_ids[0])
-            if isinstance(self.device_ids[0], int)
-            else self.device_ids[0]
-        )
+        assert self.device_ids is not None
+        device = self.device_ids[0]
+        device = torch.device("cuda", device) if isinstance(device, int) else device
         return tree_map(
             lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x,
             tree,
         )
 
     # ------------------------------------------------------------ user calls
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name for `forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: forward and backward inside skip the all-reduce.
 
-        The next forward-backward outside the context reduces the accumulated sum.
+        The same switch as `require_backward_grad_sync = False`; the next forward-backward
+        outside the context reduces the accumulated sum.
         """
-        previous = self._sync_grads
-        self._sync_grads = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_grads = previous
+            self.require_backward_grad_sync = previous
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's rule)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and any(True for _ in self.module.buffers())
+        )
+
+    def _set_static_graph(self) -> None:
+        """Declare the graph static (torch's private call; prefer `static_graph=True`)."""
+        if self.static_graph:
+            warnings.warn("static_graph is already set; nothing to do.", stacklevel=2)
+            return
+        if self.reducer.steps > 0 or self.reducer.step is not None:
+            raise RuntimeError(
+                "_set_static_graph() should be called before training loop starts (before "
+                "the first forward); this wrapper has run already. Pass static_graph=True "
+                "to DistributedDataParallel instead."
+            )
+        self.static_graph = True
+        self._static = StaticGraph(self.reducer)
+
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(ignore_for_model)
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the bucket all-reduce with `hook(state, bucket) -> Future[Tensor]`.
@@ -213,33 +333,12 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise ValueError(f"hook must be callable; found {type(hook).__name__}")
-        if isinstance(self.reducer.collective, CommHookCollective):
+        if getattr(self, "_hooked", False):
             raise RuntimeError(
                 "register_comm_hook can only be called once; a hook is already registered"
             )
-        self.reducer.set_collective(CommHookCollective(hook, state))
-
-    def add_step_observer(self, observer: StepObserver) -> None:
-        """Call `observer(stats)` at the end of every synchronised step (after averaging).
-
-        Observers run inside backward's final callback, so they must be cheap; the
-        tracer and the monitor use this to see every step without extra clock reads.
-        """
-        self.reducer.observers.append(observer)
-
-    @property
-    def stats(self) -> StepStats | None:
-        """Figures of the last synchronised step, or None before the first."""
-        return self.reducer.last_stats
-
-    @property
-    def payload_bytes(self) -> int:
-        """Gradient bytes all-reduced per synchronised step (the sum of bucket sizes)."""
-        return sum(bucket.nbytes for bucket in self.reducer.buckets)
-
-    def bucket_layout(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order."""
-        return [[self.reducer.names[i] for i in idx] for idx in self.reducer.layout]
+        self._hooked = True
+        self.reducer.set_collective(self._with_skip(CommHookCollective(hook, state)))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""

@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
-from lockstep.engine.collective import BucketCollective
+from lockstep.engine.collective import Averaging, BucketCollective
+from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.engine.data_passes import DataPasses
 from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
 from lockstep.engine.stats import StepMarks, StepStats, step_stats
 from lockstep.engine.step import StepState
-from lockstep.errors import LockstepError, UnusedParametersError
+from lockstep.engine.step_errors import ready_twice, second_backward, unfinished
+from lockstep.errors import UnusedParametersError
 
 StepObserver = Callable[[StepStats], None]
+GradHook = Callable[[torch.Tensor], None]
 
 
 class Reducer:
@@ -47,6 +51,7 @@ class Reducer:
         find_unused: tolerate parameters without a gradient (one extra vote per step).
         gradient_as_bucket_view: leave `.grad` pointing into the buckets.
         check_data_passes: include the pass over the data in the step fingerprint.
+        cap_list: per-bucket caps (torch's bucket_cap_mb_list), overriding the two caps.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class Reducer:
         find_unused: bool,
         gradient_as_bucket_view: bool,
         check_data_passes: bool = True,
+        cap_list: list[int] | None = None,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -70,6 +76,7 @@ class Reducer:
         self.group = process_group
         self.rank, self.world_size = rank, world_size
         self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
+        self.cap_list = cap_list
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
         self.observers: list[StepObserver] = []
@@ -83,14 +90,20 @@ class Reducer:
         self._rebuilt = False
         self._ready_order: list[int] = []
         self._unfinished: str | None = None
+        # Parameters whose hook fired since the last synchronised step (torch's local
+        # used map: a micro-batch under no_sync() counts); only find_unused reads it.
+        self._used_since_sync = [False] * len(self.params) if find_unused else None
+        self._mark = self._mark_ready  # or its no-grad form in a create_graph backward
+        self.static = False  # static graph (`engine/static_graph.py`) installs its hooks
+        self.static_unused: set[int] | None = None  # static graph: known after step 1
         self._build(self._layout(None))
-        for i, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(self._hook_for(i))
+        self._handles: list = []
+        self.replace_hooks(self._hook_for)
 
     # ----------------------------------------------------------------- layout
     def _layout(self, order: list[int] | None) -> list[list[int]]:
         caps = {"first_cap_bytes": self.first_cap_bytes, "cap_bytes": self.cap_bytes}
-        return assign_buckets(self.specs, order, **caps)
+        return assign_buckets(self.specs, order, **caps, cap_list=self.cap_list)
 
     def _build(self, layout: list[list[int]]) -> None:
         """Allocate one bucket per group of `layout`; map each parameter to its slot."""
@@ -117,6 +130,25 @@ class Reducer:
             if param.grad is not None:
                 view.copy_(param.grad)
                 param.grad = view
+
+    def replace_hooks(self, hook_for: Callable[[int], GradHook]) -> None:
+        """Register `hook_for(i)` on parameter i, removing the hooks registered before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = [
+            param.register_post_accumulate_grad_hook(hook_for(i))
+            for i, param in enumerate(self.params)
+        ]
+
+    def average_over(self, count: int) -> None:
+        """Divide this step's gradients by `count` ranks (Join: the ranks not yet joined)."""
+        for bucket in self.buckets:
+            averaging = self.collective.averaging(bucket.buffer.dtype)
+            if averaging is not None and averaging.divisor != count:
+                averaging = Averaging.for_dtype(
+                    count, bucket.buffer.dtype, averaging.copies_divided
+                )
+            bucket.averaging = averaging
 
     def set_collective(self, collective: BucketCollective) -> None:
         """Use `collective` for every bucket from now on (a communication hook)."""
@@ -148,6 +180,11 @@ class Reducer:
         mine = Fingerprint(self.steps + 1, passes, self._micro_batches + 1, self._layout_hash)
         self._micro_batches = 0
         self.step = StepState.armed(len(self.params), unused, forward_start, forward_end, mine)
+        if self._used_since_sync is not None:
+            self.step.used, self._used_since_sync = (
+                self._used_since_sync,
+                [False] * len(self.params),
+            )
         self._synced_graph_open = False
         for bucket in self.buckets:
             bucket.reset()
@@ -164,19 +201,30 @@ class Reducer:
                 if not step.started:
                     self._start(step)
                 step.used[index] = True
-                self._mark_ready(step, index, param)
-            elif self._synced_graph_open:
-                raise self._second_backward_error(index)
+                self._mark(step, index, param)
+            else:
+                self.outside_step(index)
 
         return hook
+
+    def outside_step(self, index: int) -> None:
+        """A hook outside a synchronised backward: note local use, refuse a second backward."""
+        if self._synced_graph_open:
+            raise second_backward(self.names[index], self.rank)
+        if self._used_since_sync is not None:
+            self._used_since_sync[index] = True
 
     def _start(self, step: StepState) -> None:
         """State "started": queue finalize on autograd, pre-mark unused parameters."""
         step.started = True
         self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._mark = self._mark_ready
+        if torch.is_grad_enabled():  # backward(create_graph=True): `engine/create_graph.py`
+            self._mark = partial(mark_keeping_graph, self)
+            warn_once()
         for unused in step.unused:
-            self._mark_ready(step, unused, self.params[unused])
+            self._mark(step, unused, self.params[unused])
 
     def _mark_ready(self, step: StepState, index: int, param: torch.Tensor) -> None:
         """State "filling": the gradient into its slot; launch the bucket if it completed.
@@ -184,7 +232,7 @@ class Reducer:
         The hot path (once per parameter per step), so it stays flat.
         """
         if step.marked[index]:
-            raise self._twice_error(index)
+            raise ready_twice(self.names[index], self.rank)
         step.marked[index] = True
         if not self._rebuilt:
             self._ready_order.append(index)
@@ -207,23 +255,6 @@ class Reducer:
         in_flight = step.in_flight
         while in_flight and in_flight[0].poll():
             in_flight.popleft()
-
-    def _twice_error(self, index: int) -> LockstepError:
-        return LockstepError(
-            f"parameter {self.names[index]!r} became ready twice in one backward on rank "
-            f"{self.rank}; expected once. This happens with reentrant activation "
-            "checkpointing or a second backward through the same graph: use "
-            "checkpoint(use_reentrant=False), or wrap extra backwards in no_sync()."
-        )
-
-    def _second_backward_error(self, index: int) -> LockstepError:
-        return LockstepError(
-            f"on rank {self.rank}: parameter {self.names[index]!r} received a gradient from "
-            "a second backward through a step that was already synchronised; its gradient "
-            "would stay local to this rank and the replicas would drift apart. Expected one "
-            "backward per synchronised forward. Sum the losses and call backward() once, "
-            "or run the forward again for the second backward."
-        )
 
     def _launch_complete_buckets(self, step: StepState) -> None:
         last = len(self.buckets) - 1
@@ -248,15 +279,10 @@ class Reducer:
             bucket.times.done = bucket.handle.done_at
         self.fingerprint.check()
         if step.next_bucket < len(self.buckets):
-            self._unfinished = self._unfinished_message(step)
+            missing = [self.names[i] for i, done in enumerate(step.marked) if not done]
+            self._unfinished = unfinished(missing, self.rank)
             return
-        globally_unused: set[int] = set()
-        if self.find_unused:
-            # After every bucket is done, so no hook's collective can interleave with it.
-            used = torch.tensor(step.used, dtype=torch.int32)
-            dist.all_reduce(used, group=self.group)
-            globally_unused = {i for i, n in enumerate(used.tolist()) if n == 0}
-        self._write_back(step, globally_unused)
+        self._write_back(step, self._globally_unused(step.used))
         self.steps += 1
         self._synced_graph_open = True
         marks = StepMarks(step.forward_start, step.forward_end, backward_end, time.perf_counter())
@@ -266,8 +292,26 @@ class Reducer:
         for observe in self.observers:
             observe(self.last_stats)
 
+    def votes_unused(self) -> bool:
+        """Whether a step ends with the vote on used parameters (Join shadows it too)."""
+        return (self.find_unused or self.static) and self.static_unused is None
+
+    def _globally_unused(self, used: list[bool]) -> set[int]:
+        """Parameters no rank used: a vote of used flags, or what static graph knows."""
+        if not self.votes_unused():
+            return self.static_unused or set()
+        # After every bucket is done, so no hook's collective can interleave with it.
+        flags = torch.tensor(used, dtype=torch.int32)
+        dist.all_reduce(flags, group=self.group)
+        unused = {i for i, n in enumerate(flags.tolist()) if n == 0}
+        if self.static:
+            self.static_unused = unused
+        return unused
+
     def _write_back(self, step: StepState, globally_unused: set[int]) -> None:
         """Leave the averaged gradients in `.grad`; a parameter no rank used keeps its own."""
+        for index in step.copy_back:  # gradients with a graph (create_graph=True)
+            self.params[index].grad.copy_(self._view_of[index])
         if self.grad_as_view:
             # Every gradient that reached its slot already points there.
             for index in step.without_grad:
@@ -282,14 +326,3 @@ class Reducer:
                 param.grad = view.clone()
             else:
                 param.grad.copy_(view)
-
-    def _unfinished_message(self, step: StepState) -> str:
-        missing = [self.names[i] for i, done in enumerate(step.marked) if not done]
-        return (
-            f"on rank {self.rank}, {len(missing)} parameter(s) received no gradient in "
-            f"the previous backward, so their buckets were never reduced: {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}. With find_unused_parameters=False every "
-            "trainable parameter must contribute to the loss. Fix: pass "
-            "find_unused_parameters=True to DistributedDataParallel, or freeze these "
-            "parameters (requires_grad=False), or make their outputs part of the loss."
-        )

@@ -34,6 +34,7 @@ class StepState:
         used: per parameter: a hook fired for it locally (find_unused_parameters).
         fingerprint: what this rank says about the step (checked across ranks).
         without_grad: parameters marked with no gradient (zeros in their slot).
+        copy_back: parameters whose `.grad` carries a graph: the average is copied into it.
         started: the first hook has run and `_finalize` is queued.
         next_bucket: index of the next bucket to launch (launches go in index order).
         in_flight: launched collectives not yet seen finished, oldest first.
@@ -46,6 +47,7 @@ class StepState:
     used: list[bool]
     fingerprint: Fingerprint
     without_grad: list[int] = field(default_factory=list)
+    copy_back: list[int] = field(default_factory=list)
     started: bool = False
     next_bucket: int = 0
     in_flight: deque[CollectiveHandle] = field(default_factory=deque)

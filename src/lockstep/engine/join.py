@@ -1,0 +1,131 @@
+"""Uneven inputs: ranks that ran out of data shadow the others' collectives (torch's Join).
+
+Inside `with Join([model]):` (`torch.distributed.algorithms.join`) every
+forward of a rank that still has data first tells the context so (one
+all-reduce of a 1). A rank whose loop has ended waits in the context's exit,
+and for every step the others still run, `DDPJoinHook.main_hook` issues the
+same collectives they do, in the same order, with zeros: the bucket rebuild,
+the buffer broadcast, whether this step synchronises, the step fingerprint
+(`launch(None)`: a shadow is not counted), one collective per bucket through
+the same strategy, and the vote on unused parameters. Gradients are divided by
+the initial world size, or by the ranks still running when asked. When all
+have joined, `post_hook` copies the last joiner's model to every rank, so the
+result equals torch DDP's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from lockstep.engine.bucket import Bucket
+from lockstep.engine.replicas import broadcast_tensors
+
+if TYPE_CHECKING:
+    from lockstep.engine.ddp import DistributedDataParallel
+
+
+class JoinableDDP(Joinable):
+    """The wrapper's side of torch's Join protocol (the wrapper inherits it)."""
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """The context for uneven inputs: `Join([self], ...)`."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """What this wrapper does on a rank that has joined."""
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        return DDPJoinHook(self, divide)  # type: ignore[arg-type]
+
+    @property
+    def join_device(self) -> torch.device:
+        params = self.reducer.params  # type: ignore[attr-defined]
+        return params[0].device if params else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group  # type: ignore[attr-defined]
+
+
+def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+    """The highest group rank among the candidates (torch's rule for the model's owner)."""
+    mine = torch.tensor([ddp.ctx.rank if candidate else -1], dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    return int(mine.item())
+
+
+def before_forward(ddp: DistributedDataParallel) -> None:
+    """A rank with data: tell the Join context, and set this step's divisor if asked."""
+    work = Join.notify_join_context(ddp)
+    if work is None:
+        return
+    if not ddp._divide_by_initial_world_size:
+        work.wait()
+        ddp.reducer.average_over(int(work.result()[0].item()))
+
+
+def announce_sync(ddp: DistributedDataParallel) -> None:
+    """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
+    flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0])
+    ddp._join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+
+
+class DDPJoinHook(JoinHook):
+    """What a joined rank does for each step the others run, and once at the end."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp.reducer.rebuild_if_needed()
+        if ddp.will_sync_module_buffers():
+            ddp._sync_buffers(src_rank=common_rank(ddp, candidate=False))
+        flag = torch.zeros(1)
+        dist.all_reduce(flag, group=ddp.process_group)
+        will_sync = bool(flag.item())
+        ddp.require_forward_param_sync = will_sync
+        if will_sync:
+            shadow_backward(ddp)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = common_rank(ddp, candidate=is_last_joiner)
+        tensors = [p for _, p in ddp._named_state(buffers=ddp.forward_sync_buffers)]
+        global_src = dist.get_global_rank(ddp.process_group, src)
+        broadcast_tensors(tensors, src=global_src, process_group=ddp.process_group)
+        # Step counts differ after uneven inputs; agree on one so later steps pair.
+        steps = torch.tensor([ddp.reducer.steps], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        ddp.reducer.steps = int(steps.item())
+        ddp.reducer.average_over(ddp.ctx.world_size)
+
+
+def shadow_backward(ddp: DistributedDataParallel) -> None:
+    """The collectives of one synchronised backward, with zeros, in the reducer's order."""
+    reducer = ddp.reducer
+    reducer.fingerprint.launch(None)
+    last = len(reducer.buckets) - 1
+    handles = []
+    for i, bucket in enumerate(reducer.buckets):
+        zeros = Bucket.build(bucket.index, bucket.params, bucket.param_indices, None)
+        handles.append(reducer.collective.launch(zeros, i == last))
+    for handle in handles:
+        handle.wait()
+    reducer.fingerprint.check()
+    if reducer.votes_unused():
+        dist.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), group=reducer.group)
