@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # engine.progress reads it too
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,6 +87,7 @@ def main(argv: list[str]) -> None:
     # A crash in native code (SIGABRT, SIGSEGV) raises nothing to record: print every
     # thread's Python stack to stderr instead, so the launcher's log shows where it was.
     faulthandler.enable(all_threads=True)
+    _arm_stack_dump()
     target = _target(argv)
     try:
         target()
@@ -101,6 +103,20 @@ def main(argv: list[str]) -> None:
         sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
         _exit_now(1)
     _leave_groups()
+
+
+_stack_file: Any = None  # kept open for faulthandler for the life of the process
+
+
+def _arm_stack_dump() -> None:
+    """On SIGUSR2, write every thread's Python stack where the launcher's stall watch reads it."""
+    global _stack_file
+    directory = os.environ.get(PROGRESS_DIR_VARIABLE)
+    if not directory:
+        return
+    path = os.path.join(directory, f"{os.environ.get('LOCAL_RANK', '0')}.stack")
+    _stack_file = open(path, "w")  # noqa: SIM115 (faulthandler writes to it until exit)
+    faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
 
 
 def _leave_groups() -> None:

@@ -14,6 +14,7 @@ MAX_AUTO_CPU_PROCS = 4
 
 
 DEFAULT_RDZV_TIMEOUT_S = 120
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
 def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,8 @@ class RunConfig:
             routing table which local address leads to the master.
         extra_env: variables added to the workers' environment.
         shutdown_timeout_s: after SIGTERM, seconds a worker gets before SIGKILL.
+        stall_timeout_s: end the run when no worker progressed for this long while
+            some wait in a collective (`lockstep.launch.stall`); 0 turns the watch off.
     """
 
     target: list[str]
@@ -59,6 +62,7 @@ class RunConfig:
     local_addr: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     shutdown_timeout_s: int = 10
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:
@@ -87,6 +91,10 @@ class RunConfig:
         if self.rdzv_timeout_s < 1:
             raise ValueError(
                 f"--rdzv-timeout must be at least 1 second; found {self.rdzv_timeout_s}"
+            )
+        if self.stall_timeout_s < 0:
+            raise ValueError(
+                f"--stall-timeout must be >= 0 seconds (0: off); found {self.stall_timeout_s}"
             )
         if not self.master_addr:
             raise ValueError("--master-addr must name the master node; found an empty string")
