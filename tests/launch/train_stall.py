@@ -43,7 +43,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ctx = lockstep.init()
     torch.manual_seed(0)
-    model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))
+    model = lockstep.DistributedDataParallel(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     steps = args.steps - (ctx.rank == args.short_rank)
     for step in range(steps):

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import stall
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import BucketCollective
-from lockstep.engine import stall
 from lockstep.engine.data_passes import DataPasses
 from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
 from lockstep.engine.stats import StepMarks, StepStats, step_stats

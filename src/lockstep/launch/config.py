@@ -92,12 +92,15 @@ class RunConfig:
             raise ValueError(
                 f"--rdzv-timeout must be at least 1 second; found {self.rdzv_timeout_s}"
             )
+        if not self.master_addr:
+            raise ValueError("--master-addr must name the master node; found an empty string")
+        self._check_stall_timeout()
+
+    def _check_stall_timeout(self) -> None:
         if self.stall_timeout_s < 0:
             raise ValueError(
                 f"--stall-timeout must be >= 0 seconds (0: off); found {self.stall_timeout_s}"
             )
-        if not self.master_addr:
-            raise ValueError("--master-addr must name the master node; found an empty string")
 
     @property
     def world_size(self) -> int:

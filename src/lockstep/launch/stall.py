@@ -79,7 +79,9 @@ class StallWatch:
         if not waiting or quiet < limit:
             return None
         waits = {w.global_rank: records[w.local_rank] for w in waiting}
-        failures = [self._stuck(w, records[w.local_rank], waits, quiet, node_rank, host) for w in stuck]
+        failures = [
+            self._stuck(w, records[w.local_rank], waits, quiet, node_rank, host) for w in stuck
+        ]
         failures += [_waiter(w, records[w.local_rank], quiet, node_rank, host) for w in waiting]
         return Stall(failures, self._message(stuck, records, waits, quiet))
 
@@ -126,7 +128,7 @@ class StallWatch:
             if now and now == size:
                 break
             size = now
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        lines = _current_thread_first(path.read_text(errors="replace"))
         if not lines:
             return ["(no stack: the worker wrote none; was it started by lockstep's bootstrap?)"]
         head = ["Python stack of every thread when the stall was detected (faulthandler):"]
@@ -149,6 +151,18 @@ class StallWatch:
             f"rank {w.global_rank} (last {_where(records[w.local_rank])})" for w in stuck
         )
         return f"stalled: no progress for {quiet:.0f} s. Stuck: {names}. Waiting: {waiting}."
+
+
+def _current_thread_first(dump: str) -> list[str]:
+    """faulthandler's dump, the thread that took the signal (the main one) first."""
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            blocks.append([])
+        if line.strip() and blocks:
+            blocks[-1].append(line)
+    blocks.sort(key=lambda block: not block[0].startswith("Current thread"))
+    return [line for block in blocks for line in block]
 
 
 def _is_waiting(record: Record | None) -> bool:
