@@ -49,6 +49,7 @@ class StallInspector:
     def __init__(self, warn_s: float) -> None:
         self.warn_s = warn_s
         self.current: _Wait | None = None
+        self.last_message = ""  # the last warning logged, for tests and post-mortems
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-stall", daemon=True)
         self._thread.start()
@@ -69,7 +70,7 @@ class StallInspector:
                     _post(wait)
                 if age >= self.warn_s * (wait.logged + 1):
                     wait.logged += 1
-                    _warn(wait, age)
+                    self.last_message = _warn(wait, age)
             except Exception as error:  # the store may be gone; the wait itself reports
                 log.debug("stall inspector: %s", error)
 
@@ -120,17 +121,18 @@ def missing_line(wait: _Wait, others: dict[int, str | None]) -> str:
     return f"rank(s) {ranks} have not launched it ({'; '.join(missing)})"
 
 
-def _warn(wait: _Wait, age: float) -> None:
+def _warn(wait: _Wait, age: float) -> str:
+    """Log the wait and who is missing on stderr; put it in the progress record; return it."""
     missing = missing_line(wait, _others(wait))
     detail = f"; {missing}" if missing else "; every rank of the group is waiting on it too"
     progress.current().set_label(f"{wait.what}{detail}")
-    print(
+    message = (
         f"lockstep [rank {_my_rank()}]: waited {age:.0f} s on {wait.what}{detail}. "
         "A rank that has not launched it is stuck or on another code path (uneven data, a "
-        "rank-only branch, a collective of its own); its own log and stack show where.",
-        file=sys.stderr,
-        flush=True,
+        "rank-only branch, a collective of its own); its own log and stack show where."
     )
+    print(message, file=sys.stderr, flush=True)
+    return message
 
 
 _inspector: StallInspector | None = None
