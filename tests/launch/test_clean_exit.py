@@ -16,14 +16,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = str(Path(__file__).with_name("train_no_shutdown.py"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "2"))
 
 
+@pytest.mark.timeout(180 * RUNS)
 def test_a_script_without_shutdown_exits_cleanly_under_torchrun():
-    runs = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "2"))
     bad = []
-    for run in range(runs):
+    for run in range(RUNS):
         done = subprocess.run(
             [TORCHRUN, "--nproc-per-node", "2", SCRIPT],
             capture_output=True,
@@ -34,4 +37,4 @@ def test_a_script_without_shutdown_exits_cleanly_under_torchrun():
         output = done.stdout + done.stderr
         if done.returncode != 0 or "terminate called" in output:
             bad.append(f"run {run}: exit code {done.returncode}\n{output[-3000:]}")
-    assert not bad, f"{len(bad)} of {runs} runs did not exit cleanly:\n" + "\n".join(bad)
+    assert not bad, f"{len(bad)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(bad)

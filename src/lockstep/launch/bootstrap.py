@@ -7,7 +7,8 @@ to the error file that torch.distributed.elastic gives every worker
 (TORCHELASTIC_ERROR_FILE), so the launcher can print the real cause: no decorator
 for the user to add. The worker asks the kernel to kill it if the launcher (PID)
 dies, so a launcher killed with SIGKILL leaves no worker behind. A worker killed
-by a fatal signal from native code prints the Python stack of every thread first.
+by a fatal signal from native code prints the Python stack of every thread first;
+on SIGUSR2 it writes that stack for the launcher's stall watch (`launch/stall.py`).
 """
 
 from __future__ import annotations
