@@ -22,6 +22,8 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 TIMEOUT_VARIABLE = "LOCKSTEP_TIMEOUT_S"
 TRACE_VARIABLE = "LOCKSTEP_TRACE"
+TRACE_FLUSH_VARIABLE = "LOCKSTEP_TRACE_FLUSH_S"
+DEFAULT_TRACE_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,26 @@ def read_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     """Directory for Chrome trace files named by LOCKSTEP_TRACE, or None when unset or empty."""
     env = os.environ if env is None else env
     return env.get(TRACE_VARIABLE) or None
+
+
+def read_trace_flush_s(env: Mapping[str, str] | None = None) -> float:
+    """Seconds between writes of the LOCKSTEP_TRACE file: LOCKSTEP_TRACE_FLUSH_S, else 5.
+
+    Raises:
+        EnvironmentConfigError: the value is not a positive number.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(TRACE_FLUSH_VARIABLE) or str(DEFAULT_TRACE_FLUSH_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e6:
+        raise EnvironmentConfigError(
+            f"environment variable {TRACE_FLUSH_VARIABLE}={raw!r} is not a positive number "
+            "of seconds; expected for example 5. Fix or unset it."
+        )
+    return seconds
 
 
 def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | int] | None:
