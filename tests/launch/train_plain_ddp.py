@@ -1,8 +1,8 @@
 """A plain DDP script, with no Monitor and no trace code: what LOCKSTEP_TRACE must see into.
 
-    LOCKSTEP_TRACE=/tmp/t lockstep run --nproc-per-node 2 tests/launch/train_plain_ddp.py --out /tmp/o
-    LOCKSTEP_TRACE=/tmp/t torchrun --nproc-per-node 2 tests/launch/train_plain_ddp.py --out /tmp/o
-    lockstep run --trace /tmp/t --nproc-per-node 2 tests/launch/train_plain_ddp.py --out /tmp/o
+    LOCKSTEP_TRACE=/tmp/t lockstep run --nproc-per-node 2 train_plain_ddp.py --out /tmp/o
+    LOCKSTEP_TRACE=/tmp/t torchrun --nproc-per-node 2 train_plain_ddp.py --out /tmp/o
+    lockstep run --trace /tmp/t --nproc-per-node 2 train_plain_ddp.py --out /tmp/o
 
 After every step each rank appends the engine's own figures (`ddp.stats`) to
 OUT/stats_rank<R>.jsonl: the oracle the tests compare the trace with.
