@@ -111,7 +111,7 @@ class EnvTracer:
             warnings.warn(
                 f"LOCKSTEP_TRACE: a second data-parallel model in this process now writes "
                 f"{path}; the first one's trace stops here (one trace file per process).",
-                stacklevel=4,
+                stacklevel=5,  # the line that wrapped the second model
             )
             previous.close()
         _active[path] = self

@@ -65,6 +65,8 @@ def trace_stragglers(events: list[dict[str, Any]]) -> StragglerReport | None:
         return None
     layout = rows[min(rows)][common[-1]][0]
     steps = [s for s in common if all(rows[r][s][0] == layout for r in rows)]
+    if not steps:  # the ranks disagree on the layout: nothing to compare bucket by bucket
+        return None
     ranks = sorted(rows)
     ready = torch.tensor([[rows[r][s][1] for s in steps] for r in ranks], dtype=torch.float64)
     end = torch.tensor([[rows[r][s][2] for s in steps] for r in ranks], dtype=torch.float64)
