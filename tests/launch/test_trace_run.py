@@ -6,7 +6,8 @@ is compared with: per step the forward, backward and data slices, per bucket
 the ready instant and the all-reduce slice (duration and position to the
 microsecond). `lockstep run --trace` must also merge, draw the timeline and name
 the rank made slow on purpose; a worker killed with SIGKILL must leave a
-readable trace up to its last background write.
+readable trace up to its last background write. Across two nodes (network
+namespaces) each launcher reports its own ranks and `lockstep trace merge` joins them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from launchkit import Launcher
+from launchkit import Launcher, node_args, wait_all
 
+from lockstep.cli import main as cli_main
 from lockstep.observe import load_events
 
 SCRIPT = str(Path(__file__).with_name("train_plain_ddp.py"))
@@ -118,3 +120,27 @@ def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_pa
     assert f"trace: {trace / 'trace.json'}" in log, log
     assert {e["pid"] for e in load_events(trace / "trace.json")} == {0, 1}
     assert "timeline: " in log
+
+
+@pytest.mark.netns
+def test_two_nodes_report_their_own_ranks_and_trace_merge_joins_them(hosts, tmp_path):
+    """No shared trace directory: each node's launcher merges its rank; the CLI joins them."""
+    launchers = []
+    for node, host in enumerate(hosts):
+        trace, out = tmp_path / f"node{node}" / "trace", tmp_path / f"node{node}" / "out"
+        flags = ["--trace", str(trace)]
+        argv = [*node_args(hosts[0], node, nproc=1, extra=flags), SCRIPT, "--out", str(out)]
+        launchers.append(Launcher(argv, tmp_path / f"node{node}.log", host))
+    codes = wait_all(launchers, 240)
+    logs = [launcher.log() for launcher in launchers]
+    assert codes == [0, 0], "\n".join(logs)
+    for node, log in enumerate(logs):
+        merged = tmp_path / f"node{node}" / "trace" / f"trace_node{node}.json"
+        assert f"trace: {merged}" in log, log
+        assert {e["pid"] for e in load_events(merged)} == {node}
+        assert "lockstep trace merge" in log  # how to join the nodes
+    joined = tmp_path / "all.json"
+    dirs = [str(tmp_path / f"node{node}" / "trace") for node in (0, 1)]
+    assert cli_main(["trace", "merge", *dirs, "-o", str(joined)]) == 0
+    assert {e["pid"] for e in load_events(joined)} == {0, 1}
+    _check_rank(tmp_path / "node1" / "trace", tmp_path / "node1" / "out", 1)
