@@ -91,15 +91,3 @@ def test_sbatch_srun_lockstep_run_trains_bitwise_like_lockstep_run(
     assert done.returncode == 0, done.stdout + done.stderr + log
     assert "node 0 of 1" in log and "ranks 0-1 of 2" in log, log
     _assert_bitwise(tmp_path, lockstep_run_reference)
-
-
-def test_srun_with_two_launchers_on_one_node_is_refused_with_the_fix(slurm, tmp_path):
-    """`srun -n 2 lockstep run` would start two launchers on one node; refuse it, say why."""
-    argv = ["srun", "-n", "2", "--time=5", "lockstep", "run", "--nproc-per-node", "1", TRAIN]
-    done = subprocess.run(
-        [*argv, "--out", str(tmp_path)], env=slurm, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode != 0
-    assert "srun started 2 tasks on 1 node(s)" in done.stderr, done.stderr
-    assert "srun --ntasks-per-node=1 lockstep run" in done.stderr
-    assert not (tmp_path / "pids").exists()  # no worker was started
