@@ -53,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "in a collective, naming the stuck rank with its stack (0: off)",
     )
     run.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="every worker writes DIR/trace_rank<R>.json (LOCKSTEP_TRACE); at the end this "
+        "node merges them, draws DIR/timeline.png and prints the straggler line",
+    )
+    run.add_argument(
         "-m",
         dest="module",
         action="store_true",
@@ -110,6 +117,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         rdzv_timeout_s=ns.rdzv_timeout,
         local_addr=ns.local_addr,
         stall_timeout_s=ns.stall_timeout,
+        trace_dir=ns.trace,
     )
 
 

@@ -48,6 +48,7 @@ class RunConfig:
         shutdown_timeout_s: after SIGTERM, seconds a worker gets before SIGKILL.
         stall_timeout_s: end the run when no worker progressed for this long while
             some wait in a collective (`lockstep.launch.stall`); 0 turns the watch off.
+        trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
     """
 
     target: list[str]
@@ -63,6 +64,7 @@ class RunConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     shutdown_timeout_s: int = 10
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from lockstep.engine import progress
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group
+from lockstep.launch import group, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route
@@ -164,6 +164,7 @@ def _run_agent(cfg: RunConfig, me: NodeInfo, stalls: StallWatch | None) -> int:
         watchdog.pet("leaving the rendezvous")
         _leave(cfg, agent, others_may_read)
         watchdog.stop()
+    tracing.report(cfg)
     return code
 
 
@@ -172,6 +173,7 @@ def _prepare(cfg: RunConfig) -> NodeInfo:
     ip, route = find_route(cfg)
     me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
     _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+    tracing.prepare(cfg)
     check_master(cfg, ip)
     return me
 
