@@ -16,6 +16,7 @@ from lockstep.plan.links import LINK_FORMS, parse_link, read_measured
 from lockstep.plan.memory import Optimizer, parse_optimizer
 from lockstep.plan.model_count import MODEL_FORMS, resolve_model
 from lockstep.plan.planner import PlanConfig, make_plan
+from lockstep.plan.profile_cli import add_profile_flags, step_plan_from_flags
 from lockstep.plan.report import format_table, to_json
 from lockstep.plan.shape import (
     ModelShape,
@@ -24,6 +25,8 @@ from lockstep.plan.shape import (
     full_trainable,
     lora_trainable,
 )
+from lockstep.plan.step_report import format_step_plan, step_plan_json
+from lockstep.plan.timeline import write_predicted
 from lockstep.plan.units import DType, parse_bytes, parse_count, parse_dtype
 
 DTYPES = ", ".join(d.label for d in DType)
@@ -56,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--bandwidth-from", default=None, help="a `lockstep bench allreduce --json` result")
     add("--bucket-cap", default=f"{BUCKET_BYTES // 2**20}MiB", help="DDP bucket cap")
     add("--json", default=None, metavar="FILE", help="also write JSON to FILE; '-': stdout only")
+    add_profile_flags(add)
     plan.set_defaults(handler=main)
 
 
@@ -121,12 +125,24 @@ def plan_config(ns: argparse.Namespace) -> PlanConfig:
 
 
 def main(ns: argparse.Namespace) -> int:
-    plan = make_plan(plan_config(ns))
+    cfg = plan_config(ns)
+    plan = make_plan(cfg)
+    step = step_plan_from_flags(ns, cfg)
+    document = to_json(plan)
+    if step is not None:
+        document["step"] = step_plan_json(step)
+        if ns.timeline:
+            png, trace = write_predicted(step.sim, ns.timeline)
+            document["step"]["timeline"] = {"png": str(png), "trace": str(trace)}
     if ns.json == "-":
-        print(json.dumps(to_json(plan), indent=2))
+        print(json.dumps(document, indent=2))
         return 0
     print(format_table(plan))
+    if step is not None:
+        print(format_step_plan(step))
+        if ns.timeline:
+            print(f"\npredicted timeline: {png} (trace: {trace})")
     if ns.json:
         with open(ns.json, "w") as fp:
-            json.dump(to_json(plan), fp, indent=2)
+            json.dump(document, fp, indent=2)
     return 0
