@@ -77,6 +77,16 @@ def test_table_names_the_prediction_and_lora_row(tiny, capsys):
     assert "DDP, LoRA r=8" in out
 
 
+def test_model_defaults_to_the_profiled_one(tiny, capsys):
+    args = ["--gpus", "2", "--profile", "tinymodels:build", "--weights-dtype", "fp32"]
+    doc = _plan_json(capsys, *args)
+    assert doc["model"]["label"] == "tinymodels:build"
+    assert doc["payload_bytes"] == doc["step"]["profile"]["payload_bytes"]
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--gpus", "2"])
+    assert info.value.code == 2 and "--model is required" in capsys.readouterr().err
+
+
 def test_profile_script_hook_builds_its_own_batch(tiny, capsys):
     doc = _plan_json(capsys, "--model", "7B", "--gpus", "2", "--profile-script", "tinymodels:hook")
     assert doc["step"]["profile"]["payload_bytes"] == 4 * (4 * 3 * 3 * 3 + 4)

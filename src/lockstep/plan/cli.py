@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "each step's gradient all-reduce cost? Sizes print in GB = 1e9 bytes.",
     )
     add = plan.add_argument
-    add("--model", required=True, help=f"the model: {MODEL_FORMS}")
+    add("--model", default=None, help=f"the model: {MODEL_FORMS} (default: --profile's)")
     add("--gpus", type=int, default=1, help="data-parallel GPUs in total (default 1)")
     add("--nodes", type=int, default=1, help="nodes the GPUs sit on (default 1)")
     add("--gpu-memory", default="80GB", help="memory of one GPU, with a unit (default 80GB)")
@@ -101,7 +101,9 @@ def plan_config(ns: argparse.Namespace) -> PlanConfig:
     """Validate the flags into a `PlanConfig`; raises ValueError naming the flag."""
     if os.getcwd() not in sys.path:  # pkg.module:factory resolves like `python -m`
         sys.path.insert(0, os.getcwd())
-    model = resolve_model(ns.model)
+    if ns.model is None and getattr(ns, "profile", None) is None:
+        raise ValueError(f"--model is required (or --profile); give {MODEL_FORMS}")
+    model = resolve_model(ns.model if ns.model is not None else ns.profile)
     weights = parse_dtype(ns.weights_dtype, "--weights-dtype")
     measured = read_measured(ns.bandwidth_from) if ns.bandwidth_from else None
     return PlanConfig(

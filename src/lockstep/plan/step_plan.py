@@ -146,6 +146,12 @@ def make_step_plan(
             f"no LoRA row: targets {','.join(lora[1])} match no profiled Linear weight "
             "(set --lora-targets; a trace profile has buckets, not layers)"
         )
+    planned = cfg.trainable.count * cfg.grads_dtype.nbytes
+    if profile.payload_bytes != planned and not profile.prebucketed:
+        notes.append(
+            f"the step moves the profiled gradients ({profile.payload_bytes} bytes); the plan "
+            f"above assumes {planned} ({cfg.grads_dtype.label}): match --weights-dtype to the model"
+        )
     world = cfg.gpus if cfg.gpus > 1 else GPUS_PER_NODE
     world_routes = [r for r in routes if r.bucket_seconds(world) is not None]
     return StepPlan(
