@@ -16,7 +16,7 @@ from lockstep.plan.links import LINK_FORMS, parse_link, read_measured
 from lockstep.plan.memory import Optimizer, parse_optimizer
 from lockstep.plan.model_count import MODEL_FORMS, resolve_model
 from lockstep.plan.planner import PlanConfig, make_plan
-from lockstep.plan.profile_cli import add_profile_flags, step_plan_from_flags
+from lockstep.plan.profile_cli import add_profile_flags, check_profile_flags, step_plan_from_flags
 from lockstep.plan.report import format_table, to_json
 from lockstep.plan.shape import (
     ModelShape,
@@ -97,13 +97,22 @@ def _share(text: str) -> float:
     return share
 
 
+def _model(ns: argparse.Namespace) -> ModelShape:
+    if ns.model is not None:
+        return resolve_model(ns.model)
+    try:
+        return resolve_model(ns.profile)
+    except ValueError as error:  # name the flag the user gave
+        raise ValueError(str(error).replace("--model", "--profile", 1)) from None
+
+
 def plan_config(ns: argparse.Namespace) -> PlanConfig:
     """Validate the flags into a `PlanConfig`; raises ValueError naming the flag."""
     if os.getcwd() not in sys.path:  # pkg.module:factory resolves like `python -m`
         sys.path.insert(0, os.getcwd())
     if ns.model is None and getattr(ns, "profile", None) is None:
         raise ValueError(f"--model is required (or --profile); give {MODEL_FORMS}")
-    model = resolve_model(ns.model if ns.model is not None else ns.profile)
+    model = _model(ns)
     weights = parse_dtype(ns.weights_dtype, "--weights-dtype")
     measured = read_measured(ns.bandwidth_from) if ns.bandwidth_from else None
     return PlanConfig(
@@ -127,6 +136,7 @@ def plan_config(ns: argparse.Namespace) -> PlanConfig:
 
 
 def main(ns: argparse.Namespace) -> int:
+    check_profile_flags(ns)
     cfg = plan_config(ns)
     plan = make_plan(cfg)
     step = step_plan_from_flags(ns, cfg)

@@ -54,6 +54,19 @@ def wants_profile(ns: argparse.Namespace) -> bool:
     return bool(given)
 
 
+def check_profile_flags(ns: argparse.Namespace) -> None:
+    """Check the profile flags before anything is built or run.
+
+    Raises:
+        ValueError: two profile sources, a slowdown below 1, or no profiled step.
+    """
+    if wants_profile(ns):
+        if ns.comm_slowdown is not None:
+            Slowdown(ns.comm_slowdown, "--comm-slowdown")
+        if ns.profile_steps < 1:
+            raise ValueError(f"--profile-steps must be >= 1; found {ns.profile_steps}")
+
+
 def read_profile(ns: argparse.Namespace) -> tuple[StepProfile, tuple[LinearInfo, ...]]:
     """The step profile the flags ask for, and the model's Linear layers (for LoRA).
 

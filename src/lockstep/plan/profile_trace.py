@@ -57,7 +57,11 @@ def profile_from_trace(path: str | Path, rank: int = 0) -> StepProfile:
     Raises:
         ValueError: unreadable trace, no step of that rank, or no step with buckets.
     """
-    by_step = _steps_of_rank(load_events(path), rank, str(path))
+    try:
+        events = load_events(path)
+    except ValueError as error:
+        raise ValueError(f"--profile-trace: {error}") from None
+    by_step = _steps_of_rank(events, rank, str(path))
     steps = sorted(by_step)
     usable = [_one_step(by_step[s]) for s in (steps[1:] if len(steps) > 1 else steps)]
     runs = [r for r in usable if r is not None and r[3]]
