@@ -21,8 +21,9 @@ from lockstep.plan.links import NAMED_LINKS
 from lockstep.plan.memory import Strategy
 from lockstep.plan.profile import ParamTiming, StepProfile, profile_step
 from lockstep.plan.profile_trace import profile_from_trace
+from lockstep.plan.shape import LinearInfo
 from lockstep.plan.simulate import engine_buckets, finish_time, simulate
-from lockstep.plan.whatif import Route, predict
+from lockstep.plan.whatif import Route, lora_profile, predict
 
 CAPS = {"first_cap_bytes": 400, "cap_bytes": 400}
 
@@ -150,3 +151,21 @@ def test_trace_profile_keeps_the_engines_buckets(tmp_path):
     assert engine_buckets(profile) == [[0], [1]]
     with pytest.raises(ValueError, match="no step of rank 1"):
         profile_from_trace(tmp_path, rank=1)
+
+
+def test_lora_profile_gives_adapters_their_base_layers_ready_time():
+    params = (
+        ParamTiming("q.weight", 64 * 32, 4, "float32", 0.3),
+        ParamTiming("q.bias", 64, 4, "float32", 0.2),
+        ParamTiming("k.weight", 64 * 32, 4, "float32", 0.1),
+    )
+    profile = StepProfile(params, 0.1, 0.5, 0.05, "hand")
+    linears = (LinearInfo("q", 32, 64), LinearInfo("k", 32, 64))
+    lora = lora_profile(profile, linears, 4, ["q"])
+    assert lora is not None
+    assert [(p.name, p.numel, p.ready_s) for p in lora.params] == [
+        ("q.lora_A", 4 * 32, 0.3),
+        ("q.lora_B", 64 * 4, 0.3),
+    ]
+    assert (lora.forward_s, lora.backward_s) == (0.1, 0.5)  # compute kept: an upper bound
+    assert lora_profile(profile, linears, 4, ["v"]) is None
