@@ -2,10 +2,10 @@
 
 `profile_step` runs a few training steps with no process group and a
 post-accumulate-grad hook on every trainable parameter (the hook the engine's
-Reducer uses), and keeps the median of: forward, backward (loss included, as the
-engine counts it), optimizer, and each parameter's ready time from the start of
-backward. The simulation (simulate.py) buckets these parameters as the engine
-would and replays the step on a modelled link.
+Reducer uses, doing its copy into a bucket slot), and keeps the median of:
+forward, backward (loss included, as the engine counts it), optimizer, and each
+parameter's ready time from the start of backward. The simulation (simulate.py)
+buckets these parameters as the engine would and replays the step on a link.
 """
 
 from __future__ import annotations
@@ -111,8 +111,10 @@ def profile_step(
     if not named:
         raise ValueError(f"{source}: the model has no parameter that requires grad")
     stamps: list[float | None] = [None] * len(named)
-    handles = [p.register_post_accumulate_grad_hook(_stamp(stamps, i)) for i, (_, p) in
-               enumerate(named)]  # fmt: skip
+    handles = [
+        p.register_post_accumulate_grad_hook(_stamp(stamps, i, torch.empty_like(p)))
+        for i, (_, p) in enumerate(named)
+    ]
     try:
         runs = [_one_step(run_step, optimizer, stamps) for _ in range(warmup + steps)][warmup:]
     finally:
@@ -121,8 +123,15 @@ def profile_step(
     return _median_profile(named, runs, source)
 
 
-def _stamp(stamps: list[float | None], index: int) -> Callable[[torch.Tensor], None]:
-    def hook(_: torch.Tensor) -> None:
+def _stamp(
+    stamps: list[float | None], index: int, slot: torch.Tensor
+) -> Callable[[torch.Tensor], None]:
+    """The ready hook: copy the gradient into a slot scaled by 1/N, as the engine's hook
+    does for a gradient autograd allocated afresh, then note the time."""
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            torch.mul(param.grad, 0.5, out=slot)
         stamps[index] = time.perf_counter()
 
     return hook
