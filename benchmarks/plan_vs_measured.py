@@ -11,8 +11,9 @@ profile (rank 0's) is simulated on that repetition's link
 (lockstep.plan.simulate, buckets from the engine's own bucketing function) and
 compared with the engine's step time and overlap (mean over ranks of the median
 step). Targets: step time within 15%, overlap within 10 points. The terms are
-printed beside it (forward, backward, optimizer, exposed: predicted / measured),
-so a miss names the term that was wrong.
+printed beside it (forward, backward, exposed, link time: predicted / measured),
+so a miss names the term that was wrong, and how far apart the ranks finish
+backward (median over steps): a rank's exposed time includes waiting for the other.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def _measured(results: list[dict], i: int, name: str) -> dict:
     def term(fn) -> float:
         return _rank_mean(statistics.median(fn(s) for s in e["stats"]) for e in per_rank)
 
+    ends = zip(*([s.start + s.forward_seconds + s.backward_seconds for s in e["stats"]]
+                 for e in per_rank), strict=True)  # fmt: skip
     return {
+        "skew_s": statistics.median(max(step) - min(step) for step in ends),
         "step_s": _rank_mean(statistics.median(e["step_s"]) for e in per_rank),
         "overlap": term(lambda s: s.overlap),
         "forward_s": term(lambda s: s.forward_seconds),
@@ -98,6 +102,7 @@ def summarize(results: list[dict], name: str) -> dict:
         "slowdown": med(f for *_, f in rows),
         "predicted_ms": 1e3 * med(s.step_s for s, *_ in rows),
         "no_slowdown_ms": 1e3 * med(p.step_s for _, p, _, _ in rows),
+        "skew_ms": 1e3 * med(m["skew_s"] for *_, m, _ in rows),
         "measured_ms": 1e3 * med(m["step_s"] for _, _, m, _ in rows),
         "ratio": [med(ratios), min(ratios), max(ratios)],
         "overlap": [
@@ -118,8 +123,8 @@ def table(rows: list[dict], where: str) -> str:
         f"| workload ({where}) | same buckets | slowdown | predicted step (ms) | without slowdown "
         "| measured step (ms) | predicted / measured, median (min-max) | overlap predicted / "
         "measured (%) | points, median (min-max) | forward, backward, exposed, link time (ms): "
-        "predicted / measured |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "predicted / measured | ranks' backward ends apart (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ra, pt, ov = r["ratio"], r["points"], r["overlap"]
@@ -129,7 +134,7 @@ def table(rows: list[dict], where: str) -> str:
             f"| {r['name']} | {'yes' if r['same_buckets'] else 'no'} | x{r['slowdown']:.2f} | "
             f"{r['predicted_ms']:.1f} | {r['no_slowdown_ms']:.1f} | {r['measured_ms']:.1f} | "
             f"{ra[0]:.2f} ({ra[1]:.2f}-{ra[2]:.2f}) {ok} | {ov[0]:.0f} / {ov[1]:.0f} | "
-            f"{pt[0]:+.0f} ({pt[1]:+.0f} to {pt[2]:+.0f}) | {terms} |"
+            f"{pt[0]:+.0f} ({pt[1]:+.0f} to {pt[2]:+.0f}) | {terms} | {r['skew_ms']:.0f} |"
         )
     return "\n".join(lines)
 
