@@ -21,9 +21,13 @@ def _critical(sim: SimStep) -> str:
         return "backward: every all-reduce is done when backward ends (nothing exposed)"
     b = sim.buckets[k]
     later = len(sim.buckets) - 1 - k
+    chain = (
+        f"it and the {later} bucket(s) after it run back to back and end"
+        if later
+        else ("its all-reduce ends")
+    )
     return (
-        f"bucket {k} ({format_bytes(b.nbytes)}, ready at {format_seconds(b.ready)}): it and "
-        f"the {later} bucket(s) after it run back to back and end "
+        f"bucket {k} ({format_bytes(b.nbytes)}, ready at {format_seconds(b.ready)}): {chain} "
         f"{format_seconds(sim.exposed_s)} after backward"
     )
 
