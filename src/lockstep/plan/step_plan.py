@@ -99,24 +99,47 @@ def scaling_cells(profile: StepProfile, layout, routes: list[Route], slow: float
 
 
 def strategy_cells(
-    profile: StepProfile, lora: StepProfile | None, world: int, routes: list[Route], slow: float,
+    profile: StepProfile,
+    lora: tuple[str, StepProfile] | None,
+    world: int,
+    routes: list[Route],
+    slow: float,
     bucket_cap: int,
-) -> list[Cell]:  # fmt: skip
-    rows: list[tuple[str, StepProfile, Strategy]] = [("DDP, full fine-tune", profile, Strategy.DDP)]
+) -> list[Cell]:
+    """DDP full fine-tune, DDP LoRA (when given), ZeRO-1/2 and ZeRO-3 on each route."""
+    rows = [("DDP, full fine-tune", profile, Strategy.DDP)]
     if lora is not None:
-        rows.append((f"DDP, {lora.source.rsplit(', ', 1)[-1]}", lora, Strategy.DDP))
-    rows += [("ZeRO-1/2, full fine-tune", profile, Strategy.ZERO2),
-             ("ZeRO-3, full fine-tune", profile, Strategy.ZERO3)]  # fmt: skip
+        rows.append((f"DDP, {lora[0]}", lora[1], Strategy.DDP))
+    rows.append(("ZeRO-1/2, full fine-tune", profile, Strategy.ZERO2))
+    rows.append(("ZeRO-3, full fine-tune", profile, Strategy.ZERO3))
     cells = []
     for label, prof, strategy in rows:
         layout = engine_buckets(prof, FIRST_CAP_BYTES, bucket_cap)
         for route in routes:
             cost = route.bucket_seconds(world)
-            if cost is None:
-                continue
-            sim = predict(prof, layout, cost, world, slow, strategy)
-            cells.append(Cell(label, route.label, sim, profile.compute_s / sim.step_s))
+            if cost is not None:
+                sim = predict(prof, layout, cost, world, slow, strategy)
+                cells.append(Cell(label, route.label, sim, profile.compute_s / sim.step_s))
     return cells
+
+
+def _notes(
+    cfg: PlanConfig, profile: StepProfile, lora_found: bool, targets: list[str]
+) -> list[str]:
+    """What the reader of the tables should know: a missing LoRA row, a dtype mismatch."""
+    notes = []
+    if not lora_found:
+        notes.append(
+            f"no LoRA row: targets {','.join(targets)} match no profiled Linear weight "
+            "(set --lora-targets; a trace profile has buckets, not layers)"
+        )
+    planned = cfg.trainable.count * cfg.grads_dtype.nbytes
+    if profile.payload_bytes != planned and not profile.prebucketed:
+        notes.append(
+            f"the step moves the profiled gradients ({profile.payload_bytes} bytes); the plan "
+            f"above assumes {planned} ({cfg.grads_dtype.label}): match --weights-dtype to the model"
+        )
+    return notes
 
 
 def make_step_plan(
@@ -139,25 +162,22 @@ def make_step_plan(
     route = main_route(cfg)
     sim = _main_sim(cfg, profile, layout, route, slowdown.factor)
     routes = default_routes(NAMED_LINKS, cfg.measured)
-    notes = []
-    lora_prof = lora_profile(profile, linears, *lora)
-    if lora_prof is None:
-        notes.append(
-            f"no LoRA row: targets {','.join(lora[1])} match no profiled Linear weight "
-            "(set --lora-targets; a trace profile has buckets, not layers)"
-        )
-    planned = cfg.trainable.count * cfg.grads_dtype.nbytes
-    if profile.payload_bytes != planned and not profile.prebucketed:
-        notes.append(
-            f"the step moves the profiled gradients ({profile.payload_bytes} bytes); the plan "
-            f"above assumes {planned} ({cfg.grads_dtype.label}): match --weights-dtype to the model"
-        )
+    rank, targets = lora
+    lora_prof = lora_profile(profile, linears, rank, targets)
+    lora_row = None if lora_prof is None else (f"LoRA r={rank}", lora_prof)
     world = cfg.gpus if cfg.gpus > 1 else GPUS_PER_NODE
     world_routes = [r for r in routes if r.bucket_seconds(world) is not None]
     return StepPlan(
-        profile, layout, route, cfg.gpus, slowdown, sim,
-        scaling_cells(profile, layout, routes, slowdown.factor),
-        strategy_cells(profile, lora_prof, world, world_routes, slowdown.factor,
-                       cfg.bucket_cap_bytes),
-        world, notes,
-    )  # fmt: skip
+        profile=profile,
+        layout=layout,
+        route=route,
+        world_size=cfg.gpus,
+        slowdown=slowdown,
+        sim=sim,
+        scaling=scaling_cells(profile, layout, routes, slowdown.factor),
+        strategies=strategy_cells(
+            profile, lora_row, world, world_routes, slowdown.factor, cfg.bucket_cap_bytes
+        ),
+        strategy_world=world,
+        notes=_notes(cfg, profile, lora_prof is not None, targets),
+    )
