@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
 from lockstep.cli import main
+from lockstep.engine.stats import BucketRecord, StepStats
+from lockstep.observe.trace import TraceRecorder
 
 TINY = textwrap.dedent(
     """
@@ -101,6 +104,25 @@ def test_measured_link_brings_its_slowdown(tiny, capsys):
                      "tinymodels:build", "--bandwidth-from", "bw.json")  # fmt: skip
     assert doc["step"]["slowdown"] == {"factor": 1.7, "source": "measured, bw.json"}
     assert doc["step"]["route"]["label"] == "measured"
+
+
+def test_trace_of_a_real_run_keeps_its_buckets(tiny, capsys):
+    recorder = TraceRecorder(tiny / "trace", rank=0, world_size=2)
+    buckets = (BucketRecord(0, 4000, 2, 0.030, 0.030, 0.031),
+               BucketRecord(1, 9000, 3, 0.050, 0.050, 0.052))  # fmt: skip
+    for step in (1, 2, 3):
+        stats = StepStats(step, 2, 0.010, 0.040, 13000, 13000, 0.003, 0.002, buckets, 10.0 * step)
+        recorder.record(SimpleNamespace(step=step), stats, 10.0 * step, 10.0 * step + 0.06,
+                        (10.0 * step + 0.052, 10.0 * step + 0.06))  # fmt: skip
+    recorder.write()
+    doc = _plan_json(capsys, "--model", "7B", "--gpus", "2", "--link", "1GB/s",
+                     "--profile-trace", "trace", "--comm-slowdown", "1")  # fmt: skip
+    pred = doc["step"]["prediction"]
+    assert [b["bytes"] for b in pred["buckets"]] == [4000, 9000]
+    # bucket 1 is ready at 50 ms, the end of backward; a ring without latency at 1 GB/s: 9 us
+    assert pred["buckets"][1]["ready_s"] == pytest.approx(0.050)
+    assert pred["exposed_s"] == pytest.approx(9000 / 1e9, rel=1e-3)
+    assert doc["step"]["profile"]["prebucketed"] is True
 
 
 def _error(capsys, *args: str) -> str:
