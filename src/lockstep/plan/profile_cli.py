@@ -83,6 +83,13 @@ def read_profile(ns: argparse.Namespace) -> tuple[StepProfile, tuple[LinearInfo,
     else:
         target = target_from_script(ns.profile_script, ns.batch_size)
     params = [p for p in target.model.parameters() if p.requires_grad]
+    devices = {p.device.type for p in params}
+    if devices - {"cpu"}:
+        raise ValueError(
+            f"--profile: {target.label} has parameters on {sorted(devices)}; expected a CPU "
+            "model (the profile reads the host clock). For a GPU model, record a run with "
+            "LOCKSTEP_TRACE=<dir> and pass --profile-trace <dir>"
+        )
     optimizer = make_optimizer(parse_optimizer(ns.optimizer, "--optimizer"), params)
     source = (f"{target.label}, batch {ns.batch_size}, {ns.optimizer}, median of "
               f"{ns.profile_steps} steps on {torch.get_num_threads()} thread(s)")  # fmt: skip
