@@ -122,6 +122,9 @@ def _exit_now(code: int) -> None:
     the process ("terminate called without an active exception"), which would
     replace the real exit code with SIGABRT. The error is already recorded.
     """
+    trace = sys.modules.get("lockstep.observe.envtrace")
+    if trace is not None:  # LOCKSTEP_TRACE: the steps since the last background write
+        trace.flush_traces()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="restart the whole group (every node) up to this many times after a failure",
     )
     run.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="every worker writes DIR/trace_rank<R>.json (LOCKSTEP_TRACE); at the end this "
+        "node merges them, draws DIR/timeline.png and prints the straggler line",
+    )
+    run.add_argument(
         "-m",
         dest="module",
         action="store_true",
@@ -96,6 +103,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         max_restarts=ns.max_restarts,
         rdzv_timeout_s=ns.rdzv_timeout,
         local_addr=ns.local_addr,
+        trace_dir=ns.trace,
     )
 
 

@@ -45,6 +45,7 @@ class RunConfig:
             routing table which local address leads to the master.
         extra_env: variables added to the workers' environment.
         shutdown_timeout_s: after SIGTERM, seconds a worker gets before SIGKILL.
+        trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
     """
 
     target: list[str]
@@ -59,6 +60,7 @@ class RunConfig:
     local_addr: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     shutdown_timeout_s: int = 10
+    trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:

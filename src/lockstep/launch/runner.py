@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group
+from lockstep.launch import group, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route
@@ -144,6 +144,7 @@ def run(cfg: RunConfig) -> int:
         watchdog.pet("leaving the rendezvous")
         _leave(cfg, agent, others_may_read)
         watchdog.stop()
+    tracing.report(cfg)
     return code
 
 
@@ -152,6 +153,7 @@ def _prepare(cfg: RunConfig) -> NodeInfo:
     ip, route = find_route(cfg)
     me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
     _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+    tracing.prepare(cfg)
     check_master(cfg, ip)
     return me
 
