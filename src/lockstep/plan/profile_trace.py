@@ -5,7 +5,8 @@ backward and optimizer slices and each bucket's `ready` instant with its bytes.
 It knows buckets, not parameters, so each bucket becomes one entry of the
 profile (`prebucketed`): the simulation keeps the engine's own buckets rather
 than bucketing again. The first step is skipped (it runs before the buckets are
-rebuilt in ready order); the others give medians.
+rebuilt in ready order); the others give medians. The optimizer term is the time
+outside forward and backward: the optimizer's slice plus the gap before forward.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def _one_step(events: list[dict]) -> tuple[float, float, float, dict[int, tuple]
     if "forward" not in slices or "backward" not in slices:
         return None
     forward = slices["forward"]["dur"] / 1e6
-    optimizer = slices["optimizer"]["dur"] / 1e6 if "optimizer" in slices else 0.0
+    # The time outside forward and backward: the optimizer's slice (a Monitor's trace)
+    # and the gap before forward (an env-var trace puts optimizer and data loading there).
+    optimizer = sum(slices[c]["dur"] / 1e6 for c in ("optimizer", "data") if c in slices)
     buckets = {
         int(e["args"]["bucket"]): (int(e["args"]["bytes"]), e["args"]["ready_ms"] / 1e3 - forward)
         for e in events
