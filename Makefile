@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test demo lint format bench clean compat
+.PHONY: install test demo lint format bench soak clean compat
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ bench: install
 	$(BIN)/python benchmarks/engine_vs_torch.py
 	$(BIN)/python benchmarks/hook_cost.py
 	$(BIN)/python benchmarks/observe_cost.py
+
+# 20 random worker kills and one lost launcher across two nodes (namespaces; root); not in `test`.
+soak: install
+	cd benchmarks/soak && ../../$(BIN)/python soak_two_nodes.py --out ../../runs/soak
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

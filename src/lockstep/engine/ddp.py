@@ -48,6 +48,7 @@ from lockstep.engine.replicas import broadcast_tensors
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.observe.envtrace import attach_trace_from_env
 
 
 class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
@@ -113,6 +114,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self._build_runtime()
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(dist.get_global_rank(self.process_group, 0))
+        self.env_tracer = attach_trace_from_env(self)  # LOCKSTEP_TRACE; None when unset
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""
@@ -212,6 +214,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         # What holds a group, a hook or a Work; a registered comm hook is not kept.
         for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
             state.pop(key, None)
+        state.pop("env_tracer", None)  # a tracer belongs to a process
         state.pop("_join_announcement", None)
         state["_args"] = self._args.without_groups()
         return state
@@ -221,6 +224,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         super().__setstate__(state)
         Joinable.__init__(self)
         self._build_runtime()
+        self.env_tracer = attach_trace_from_env(self)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

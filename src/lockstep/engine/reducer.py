@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import stall
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import Averaging, BucketCollective
@@ -275,7 +276,7 @@ class Reducer:
         assert step is not None
         for bucket in self.buckets[: step.next_bucket]:
             assert bucket.handle is not None
-            bucket.handle.wait()
+            stall.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
             bucket.times.done = bucket.handle.done_at
         self.fingerprint.check()
         if step.next_bucket < len(self.buckets):
