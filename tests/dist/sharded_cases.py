@@ -7,8 +7,6 @@ rank r taking the r-th slice of each; an engine is a name ("ddp", "stage1",
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from engine_models import MLP, PartlyFrozen, Tied
@@ -68,7 +66,7 @@ def global_batches(name: str, steps: int, batch: int = 8) -> list[tuple[torch.Te
     gen = torch.Generator().manual_seed(1)
     if name == "gpt":
         return [(torch.randint(0, 32, (batch, 9), generator=gen),) for _ in range(steps)]
-    return [(torch.randn(batch, 8, generator=gen), torch.randn(batch, 4, generator=gen))]  * 0 + [
+    return [
         (torch.randn(batch, 8, generator=gen), torch.randn(batch, 4, generator=gen))
         for _ in range(steps)
     ]
@@ -94,15 +92,31 @@ def wrap(engine: str, model: nn.Module, name: str) -> nn.Module:
         return fully_shard(model)
     stage = int(engine.removeprefix("stage"))
     wrap_cls = [Block] if stage == 3 and name == "gpt" else None
-    return lockstep.ShardedDataParallel(model, stage=stage, wrap=wrap_cls, bucket_cap_mb=0.001,
-                                        first_bucket_cap_mb=0.0005)
+    return lockstep.ShardedDataParallel(
+        model, stage=stage, wrap=wrap_cls, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005
+    )
 
 
-def train(ctx, engine: str, name: str, steps: int = 3, micro: int = 1, clip: float | None = None):
-    """Train and return the losses, per step, and the full parameters at the end."""
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def train(
+    ctx,
+    engine: str,
+    name: str,
+    steps: int = 3,
+    micro: int = 1,
+    clip: float | None = None,
+    optimizer: str = "adamw",
+) -> dict:
+    """Train and return the losses, per step, and the full state dict at the end."""
     model = wrap(engine, build(name), name)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
+    opt = make_optimizer(optimizer, model)
+    losses, norms = [], []
     for batch in global_batches(name, steps):
         mine = [t.chunk(ctx.world_size)[ctx.rank] for t in batch]
         parts = list(zip(*[t.chunk(micro) for t in mine], strict=True))
@@ -114,13 +128,17 @@ def train(ctx, engine: str, name: str, steps: int = 3, micro: int = 1, clip: flo
                 loss.backward()
         if clip is not None:
             if hasattr(model, "clip_grad_norm_"):
-                model.clip_grad_norm_(clip)
+                norms.append(model.clip_grad_norm_(clip))
             else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().clone())
-    return {"losses": torch.stack(losses), "state": _full_state(engine, model)}
+    return {
+        "losses": torch.stack(losses),
+        "norms": torch.stack(norms) if norms else None,
+        "state": _full_state(engine, model),
+    }
 
 
 def _full_state(engine: str, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -135,7 +153,3 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
