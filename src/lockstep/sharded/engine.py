@@ -180,6 +180,10 @@ class ShardedDataParallel(nn.Module):
         rest = self.module.state_dict()
         return sharded_state.full_state_dict(self.flats, self._keys, rest)
 
+    def state_dict_keys(self) -> list[str]:
+        """The plain module's state-dict keys, in order (what `state_dict` returns)."""
+        return list(self._keys)
+
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Any, strict: bool = True, assign: bool = False
     ) -> Any:

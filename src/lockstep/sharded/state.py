@@ -97,7 +97,7 @@ def gather_optimizer_state(
     for index, entry in saved["state"].items():
         flat = owners[index]
         state[index] = {
-            key: _gathered(flat, value) if _is_shard(flat, value) else value
+            key: _gathered(flat, value) if _is_shard(flat, value) else _copy(value)
             for key, value in entry.items()
         }
     return {"state": state, "param_groups": saved["param_groups"], "sharded": True}
@@ -110,6 +110,10 @@ def _is_shard(flat: FlatParam | None, value: Any) -> bool:
         and value.shape == flat.shard.shape
         and value.dim() == 1
     )
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _gathered(flat: FlatParam, value: torch.Tensor) -> torch.Tensor:
