@@ -29,7 +29,7 @@ from lockstep.sharded.collective import make_collective
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
 from lockstep.sharded.sync import GradSync
-from lockstep.sharded.units import UnitSpec, bucket_units, collect_trainable, wrap_units
+from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units
 
 
 class ShardedDataParallel(nn.Module):
@@ -69,11 +69,11 @@ class ShardedDataParallel(nn.Module):
         self._sync_grads = True
         self._params_stale = False
         self._keys = list(module.state_dict().keys())
-        trainable = collect_trainable(module)
+        trainable = collect_params(module)
         verify_same_parameters([(s.names[0], s.param) for s in trainable], process_group)
         broadcast_module(module, process_group)
         if stage == 3:
-            specs = wrap_units(module, trainable, wrap or [])
+            specs = wrap_units(module, collect_params(module, trainable_only=False), wrap or [])
         else:
             specs = bucket_units(trainable, int(first_bucket_cap_mb * MB), int(bucket_cap_mb * MB))
         self.flats, units = self._build_flats(specs)
@@ -81,13 +81,14 @@ class ShardedDataParallel(nn.Module):
         self.grad_sync = self._build_sync()
 
     def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
-        """One FlatParam per (unit, dtype); the shards become this wrapper's parameters."""
+        """One FlatParam per (unit, dtype, trainable); the shards become this wrapper's parameters."""
         flats: list[FlatParam] = []
         units = []
         for spec in specs:
-            by_dtype: dict[torch.dtype, list] = {}
+            by_dtype: dict[tuple[torch.dtype, bool], list] = {}
             for slots in spec.params:
-                by_dtype.setdefault(slots.param.dtype, []).append(slots)
+                key = (slots.param.dtype, slots.param.requires_grad)
+                by_dtype.setdefault(key, []).append(slots)
             unit_flats = []
             for group in by_dtype.values():
                 flat = FlatParam(
@@ -116,7 +117,7 @@ class ShardedDataParallel(nn.Module):
         )
         scheduler = self.scheduler
         return GradSync(
-            self.flats,
+            [flat for flat in self.flats if flat.trainable],
             collective,
             self.ctx.rank,
             keep_full_grad=self.stage == 1,
@@ -197,7 +198,7 @@ class ShardedDataParallel(nn.Module):
                 f"missing {missing[:6]}, unexpected {unexpected[:6]} (rank {self.ctx.rank})"
             )
         sharded_state.load_flats(self.flats, state, self.ctx.rank)
-        entries = sharded_state.trainable_entries(self.flats)
+        entries = sharded_state.flat_entries(self.flats)
         rest = {k: v for k, v in state.items() if k not in entries}
         return self.module.load_state_dict(rest, strict=False)
 

@@ -50,10 +50,11 @@ class FlatParam:
         full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             torch.cat([s.param.detach().reshape(-1) for s in params], out=full[: self.layout.numel])
-        self.full = full.requires_grad_()
+        self.trainable = first.requires_grad
+        self.full = full.requires_grad_(self.trainable)
         start, end = self.layout.shard_range(rank)
         own = full.data[start:end]
-        self.shard = nn.Parameter(own if keep_full else own.clone())
+        self.shard = nn.Parameter(own if keep_full else own.clone(), self.trainable)
         self.keep_full = keep_full
         self.gathered = True
         self._detach_from_module()

@@ -33,8 +33,8 @@ def local_slice(flat: FlatParam, full: torch.Tensor, rank: int) -> torch.Tensor:
     return padded[start:end].clone()
 
 
-def trainable_entries(flats: list[FlatParam]) -> dict[str, tuple[FlatParam, int]]:
-    """State-dict key -> (flat, parameter index) for every trainable parameter name."""
+def flat_entries(flats: list[FlatParam]) -> dict[str, tuple[FlatParam, int]]:
+    """State-dict key -> (flat, parameter index) for every parameter name held in a flat."""
     out = {}
     for flat in flats:
         for i, slots in enumerate(flat.slots):
@@ -46,17 +46,17 @@ def trainable_entries(flats: list[FlatParam]) -> dict[str, tuple[FlatParam, int]
 def full_state_dict(
     flats: list[FlatParam], keys: list[str], rest: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The plain module's state dict: gathered trainable parameters, `rest` for the others.
+    """The plain module's state dict: gathered flat parameters, `rest` for the others.
 
     Args:
         flats: every flat of the model.
         keys: the plain module's state-dict keys, in order (recorded at wrap time).
-        rest: the frozen parameters and buffers, by key (the module's own state dict).
+        rest: parameters outside flats and buffers, by key (the module's own state dict).
     """
     tensors: dict[int, list[torch.Tensor]] = {}
     for flat in flats:
         tensors[flat.index] = flat.full_tensors(gather_flat(flat, flat.shard.data))
-    entries = trainable_entries(flats)
+    entries = flat_entries(flats)
     out = {}
     for key in keys:
         if key in entries:

@@ -22,7 +22,7 @@ ROOT = ""
 
 @dataclass
 class ParamSlots:
-    """One trainable parameter and every (module, attribute) that holds it.
+    """One parameter and every (module, attribute) that holds it.
 
     Attributes:
         param: the parameter as the plain module holds it.
@@ -44,12 +44,12 @@ class UnitSpec:
     params: list[ParamSlots]
 
 
-def collect_trainable(module: nn.Module) -> list[ParamSlots]:
-    """Every trainable parameter once, in registration order, with all its places."""
+def collect_params(module: nn.Module, trainable_only: bool = True) -> list[ParamSlots]:
+    """Every (trainable) parameter once, in registration order, with all its places."""
     by_id: dict[int, ParamSlots] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for attr, param in owner._parameters.items():
-            if param is None or not param.requires_grad:
+            if param is None or (trainable_only and not param.requires_grad):
                 continue
             slots = by_id.setdefault(id(param), ParamSlots(param))
             if (owner, attr) not in [(m, a) for m, a in slots.owners]:
@@ -100,14 +100,15 @@ def bucket_units(
     ]
 
 
-def wrap_units(
-    module: nn.Module, trainable: list[ParamSlots], wrap: Sequence[type]
-) -> list[UnitSpec]:
-    """Stage 3: the root unit (if it holds anything) first, then one per wrapped module."""
+def wrap_units(module: nn.Module, params: list[ParamSlots], wrap: Sequence[type]) -> list[UnitSpec]:
+    """Stage 3: the root unit (if it holds anything) first, then one per wrapped module.
+
+    Frozen parameters are sharded too (in their own flats), as ZeRO-3 counts them.
+    """
     wrapped = wrapped_modules(module, wrap)
     paths = [p for p, _ in wrapped]
     groups: dict[str, list[ParamSlots]] = {p: [] for p in [ROOT, *paths]}
-    for slots in trainable:
+    for slots in params:
         groups[owning_unit(slots.names, paths)].append(slots)
     units = [UnitSpec("root", None, groups[ROOT])] if groups[ROOT] else []
     units += [UnitSpec(p, m, groups[p]) for p, m in wrapped if groups[p]]
