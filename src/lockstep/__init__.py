@@ -11,10 +11,10 @@ from lockstep.sharded import FSDP, ShardedDataParallel
 
 __all__ = [
     "DDP",
+    "FSDP",
     "Checkpointer",
     "DistContext",
     "DistributedDataParallel",
-    "FSDP",
     "LockstepError",
     "Monitor",
     "NaiveDataParallel",

@@ -1,4 +1,4 @@
-"""`lockstep plan` points at ShardedDataParallel where DDP does not fit, with the first stage that does."""
+"""`lockstep plan` names the first ShardedDataParallel stage that fits where DDP does not."""
 
 from __future__ import annotations
 

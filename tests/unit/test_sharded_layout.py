@@ -39,7 +39,7 @@ def test_layout_edge_sizes(numels, world):
 
 @pytest.mark.parametrize("numels, world", [([], 2), ([3], 0), ([-1], 2)])
 def test_layout_rejects_bad_input(numels, world):
-    with pytest.raises(ValueError, match="expected|at least 1"):
+    with pytest.raises(ValueError, match=r"expected|at least 1"):
         flat_layout(numels, world)
 
 

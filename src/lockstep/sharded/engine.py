@@ -81,7 +81,7 @@ class ShardedDataParallel(nn.Module):
         self.grad_sync = self._build_sync()
 
     def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
-        """One FlatParam per (unit, dtype, trainable); the shards become this wrapper's parameters."""
+        """One FlatParam per (unit, dtype, trainable); shards become this wrapper's parameters."""
         flats: list[FlatParam] = []
         units = []
         for spec in specs:

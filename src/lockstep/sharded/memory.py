@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.plan.memory import Optimizer, Strategy, StateBytes
+from lockstep.plan.memory import Optimizer, StateBytes, Strategy
 from lockstep.plan.model_count import count_module
 from lockstep.plan.planner import PlanConfig, make_plan
 from lockstep.plan.shape import full_trainable
