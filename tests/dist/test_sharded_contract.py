@@ -91,9 +91,23 @@ def _shards_and_frozen(ctx, stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_optimizer_sees_shards_and_frozen_parameters_never_travel(stage):
-    for out in run_ranks(_shards_and_frozen, 2, stage, deadline_s=120, timeout_s=30):
+def _per_stage(ctx, fn) -> dict:
+    return {stage: fn(ctx, stage) for stage in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def shards_and_frozen():
+    return run_ranks(_per_stage, 2, _shards_and_frozen, deadline_s=120, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def state_dicts():
+    return run_ranks(_per_stage, 2, _state_dicts, deadline_s=120, timeout_s=30)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_sees_shards_and_frozen_parameters_never_travel(shards_and_frozen, stage):
+    for out in (rank[stage] for rank in shards_and_frozen):
         half = -(-out["trainable"] // 2)
         assert out["shard_numel"] == half, "parameters() must yield this rank's shard only"
         assert out["state_numel"] == 2 * half, "AdamW must hold 1/N of the state"
@@ -130,8 +144,8 @@ def _state_dicts(ctx, stage: int) -> dict:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_full_state_dict_loads_into_plain_model_and_ddp(stage):
-    for out in run_ranks(_state_dicts, 2, stage, deadline_s=120, timeout_s=30):
+def test_full_state_dict_loads_into_plain_model_and_ddp(state_dicts, stage):
+    for out in (rank[stage] for rank in state_dicts):
         assert out["keys"] == out["plain_keys"], "plain module's keys, in its order"
         assert torch.equal(out["sharded_out"], out["plain_out"])
         assert torch.equal(out["sharded_out"], out["ddp_out"])

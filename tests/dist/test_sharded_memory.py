@@ -21,6 +21,15 @@ from lockstep.testing import run_ranks
 TOLERANCE = 0.05
 
 
+def _measure_all(ctx) -> dict:
+    return {name: _measure(ctx, name) for name in ("gpt", "frozen")}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_measure_all, 2, deadline_s=120, timeout_s=30)
+
+
 def _measure(ctx, name: str) -> dict:
     out = {}
     for stage in (0, 1, 2, 3):
@@ -42,8 +51,8 @@ def _measure(ctx, name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", ["gpt", "frozen"])
-def test_measured_state_bytes_match_the_plan_within_5_percent(name):
-    for rank, result in enumerate(run_ranks(_measure, 2, name, deadline_s=120, timeout_s=30)):
+def test_measured_state_bytes_match_the_plan_within_5_percent(measured, name):
+    for rank, result in enumerate(r[name] for r in measured):
         for stage, (measured, predicted) in result.items():
             for part in ("weights", "grads", "optimizer"):
                 got, want = getattr(measured, part), getattr(predicted, part)

@@ -44,6 +44,8 @@ def _all_models(ctx, optimizer: str, micro: int) -> dict:
             out[(name, engine)] = train(ctx, engine, name, micro=micro, optimizer=optimizer)
         if ctx.world_size == 2 and name in ("mlp", "gpt", "tied"):
             out[(name, "fsdp2")] = train(ctx, "fsdp2", name, optimizer=optimizer)
+    if ctx.world_size == 2:
+        out.update(_accumulate_and_clip(ctx))
     return out
 
 
@@ -87,8 +89,8 @@ def _accumulate_and_clip(ctx) -> dict:
     return out
 
 
-def test_no_sync_bitwise_and_clip_grad_norm_global():
-    results = run_ranks(_accumulate_and_clip, 2, deadline_s=240, timeout_s=60)[0]
+def test_no_sync_bitwise_and_clip_grad_norm_global(world2):
+    results = world2[0]
     for stage in STAGES:
         _compare(results[("no_sync", "ddp")], results[("no_sync", stage)], None, f"{stage}")
         ref, out = results[("clip", "ddp")], results[("clip", stage)]
