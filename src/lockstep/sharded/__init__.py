@@ -11,6 +11,8 @@
 | `state.py` | full state dicts and optimizer states from shards, and back |
 | `clip.py` | the global gradient norm over shards |
 | `agreement.py` | arguments checked on every rank together |
+| `memory.py` | state bytes per rank, measured and as `lockstep plan` predicts |
+| `timeline.py` | spans of phases and collectives, for the lanes picture |
 | `engine.py` | `ShardedDataParallel`, `FSDP` |
 """
 

@@ -29,6 +29,7 @@ from lockstep.sharded.collective import make_collective
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
 from lockstep.sharded.sync import GradSync
+from lockstep.sharded.timeline import Timeline
 from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units
 
 
@@ -79,6 +80,7 @@ class ShardedDataParallel(nn.Module):
         self.flats, units = self._build_flats(specs)
         self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
         self.grad_sync = self._build_sync()
+        self.timeline: Timeline | None = None
 
     def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
         """One FlatParam per (unit, dtype, trainable); shards become this wrapper's parameters."""
@@ -127,6 +129,7 @@ class ShardedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        span = self.timeline.begin("compute", "forward") if self.timeline else None
         grad_sync = torch.is_grad_enabled() and self._sync_grads
         if self.stage < 3:
             self._refresh_full()
@@ -140,6 +143,8 @@ class ShardedDataParallel(nn.Module):
             self.scheduler.end_forward()
         if torch.is_grad_enabled():
             self.grad_sync.arm(grad_sync)
+        if self.timeline is not None and span is not None:
+            self.timeline.end(span)
         return output
 
     def _refresh_full(self) -> None:
@@ -158,6 +163,12 @@ class ShardedDataParallel(nn.Module):
             self.scheduler.free_all()
         if self.grad_sync.launched:
             self._params_stale = True
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        """Record forward, backward and every collective into `timeline` (None: stop)."""
+        self.timeline = self.grad_sync.timeline = timeline
+        for unit in self.scheduler.all_units() if self.scheduler else []:
+            unit.timeline = timeline
 
     # ------------------------------------------------------------ user calls
     @contextmanager

@@ -11,6 +11,7 @@ at the end of backward everything still gathered is freed.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from lockstep.engine.handles import CollectiveHandle
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.timeline import Timeline
 
 
 class Unit:
@@ -28,16 +30,22 @@ class Unit:
         self.name, self.module, self.flats = name, module, flats
         self.pending: list[CollectiveHandle] = []
         self.viewed = False
+        self.timeline: Timeline | None = None
 
     def start_gather(self) -> None:
         """Start the all-gathers of the flats that are not gathered (a prefetch)."""
         for flat in self.flats:
             if not flat.gathered:
+                start = time.perf_counter()
                 self.pending.append(flat.gather())
+                if self.timeline is not None:
+                    self.timeline.collective("all-gather", self.name, self.pending[-1], start)
 
     def ensure_gathered(self) -> None:
         """Gather (or finish gathering) every flat; point the module at its views once per step."""
         self.start_gather()
+        if self.timeline is not None:
+            self.timeline.poll()
         for handle in self.pending:
             handle.wait()
         self.pending = []

@@ -11,6 +11,7 @@ averaged shard in `shard.grad` (added to what is there, as `.grad` accumulates).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from lockstep.engine.collective import BucketCollective
 from lockstep.engine.handles import CollectiveHandle
 from lockstep.sharded.collective import ShardBucket, bucket_of
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.timeline import Span, Timeline
 
 _run_at_end = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -53,6 +55,8 @@ class GradSync:
         self.queued = False
         self.launched: set[int] = set()
         self.in_flight: deque[tuple[CollectiveHandle, FlatParam, ShardBucket]] = deque()
+        self.timeline: Timeline | None = None
+        self._backward_span: Span | None = None
         for flat in flats:
             flat.full.register_post_accumulate_grad_hook(self._hook_for(flat))
 
@@ -66,6 +70,8 @@ class GradSync:
             if not self.queued:
                 self.queued = True
                 _run_at_end(self._end_backward)
+                if self.timeline is not None:
+                    self._backward_span = self.timeline.begin("compute", "backward")
             if self.syncing and flat.index not in self.launched:
                 self._launch(flat)
                 self._collect(block=False)
@@ -76,7 +82,10 @@ class GradSync:
     def _launch(self, flat: FlatParam) -> None:
         self.launched.add(flat.index)
         bucket = bucket_of(flat, self.collective, self.rank)
+        start = time.perf_counter()
         handle = self.collective.launch(bucket, is_last=len(self.launched) == len(self.flats))
+        if self.timeline is not None:
+            self.timeline.collective("reduce", flat.unit, handle, start)
         self.in_flight.append((handle, flat, bucket))
         if not self.keep_full_grad:
             flat.full.grad = None  # the bucket keeps it until the collective is done
@@ -95,6 +104,8 @@ class GradSync:
 
     def _end_backward(self) -> None:
         self.queued = False
+        if self.timeline is not None and self._backward_span is not None:
+            self.timeline.end(self._backward_span)
         if self.syncing:
             for flat in self.flats:
                 if flat.index not in self.launched:
@@ -103,5 +114,7 @@ class GradSync:
                     )
                     self._launch(flat)
             self._collect(block=True)
+            if self.timeline is not None:
+                self.timeline.poll()
             self.syncing = False
         self.at_backward_end()
