@@ -112,6 +112,7 @@ def train(
     micro: int = 1,
     clip: float | None = None,
     optimizer: str = "adamw",
+    eval_forward: bool = False,
 ) -> dict:
     """Train and return the losses, per step, and the full state dict at the end."""
     model = wrap(engine, build(name), name)
@@ -134,6 +135,9 @@ def train(
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().clone())
+        if eval_forward:  # a forward without grad between steps changes nothing
+            with torch.no_grad():
+                losses.append(loss_of(name, model, mine))
     return {
         "losses": torch.stack(losses),
         "norms": torch.stack(norms) if norms else None,

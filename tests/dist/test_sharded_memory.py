@@ -16,6 +16,7 @@ from sharded_cases import Block, build, global_batches, loss_of
 
 import lockstep
 from lockstep.sharded.memory import measured_bytes, planned_bytes
+from lockstep.sharded.timeline import Timeline
 from lockstep.testing import run_ranks
 
 TOLERANCE = 0.05
@@ -42,17 +43,22 @@ def _measure(ctx, name: str) -> dict:
                 plain, stage=stage, wrap=[Block] if stage == 3 and name == "gpt" else None
             )
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        for batch in global_batches(name, 2):
+        timeline = Timeline()
+        for step, batch in enumerate(global_batches(name, 2)):
+            if step == 1 and stage == 3:
+                model.record_timeline(timeline)
             opt.zero_grad()
             loss_of(name, model, [t.chunk(ctx.world_size)[ctx.rank] for t in batch]).backward()
             opt.step()
         out[stage] = (measured_bytes(model, opt), predicted)
+    out["lanes"] = [(s.lane, s.start <= s.end) for s in timeline.spans]
     return out
 
 
 @pytest.mark.parametrize("name", ["gpt", "frozen"])
 def test_measured_state_bytes_match_the_plan_within_5_percent(measured, name):
     for rank, result in enumerate(r[name] for r in measured):
+        lanes = result.pop("lanes")
         for stage, (measured, predicted) in result.items():
             for part in ("weights", "grads", "optimizer"):
                 got, want = getattr(measured, part), getattr(predicted, part)
@@ -60,4 +66,6 @@ def test_measured_state_bytes_match_the_plan_within_5_percent(measured, name):
                     f"{name} stage {stage} rank {rank} {part}: measured {got} B, plan {want} B"
                 )
         ddp, full = result[0][0], result[3][0]
+        kinds = {lane for lane, _ in lanes}
+        assert kinds == {"compute", "all-gather", "reduce"} and all(ok for _, ok in lanes)
         assert full.total < 0.55 * ddp.total, "stage 3 must hold about half of DDP at N = 2"

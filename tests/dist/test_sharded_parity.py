@@ -86,13 +86,15 @@ def _accumulate_and_clip(ctx) -> dict:
     for engine in ("ddp", *STAGES):
         out[("no_sync", engine)] = train(ctx, engine, "gpt", micro=2)
         out[("clip", engine)] = train(ctx, engine, "gpt", clip=0.05, optimizer="sgd")
+        out[("eval", engine)] = train(ctx, engine, "gpt", eval_forward=True)
     return out
 
 
-def test_no_sync_bitwise_and_clip_grad_norm_global(world2):
+def test_no_sync_and_eval_forward_bitwise_and_clip_grad_norm_global(world2):
     results = world2[0]
     for stage in STAGES:
         _compare(results[("no_sync", "ddp")], results[("no_sync", stage)], None, f"{stage}")
+        _compare(results[("eval", "ddp")], results[("eval", stage)], None, f"eval {stage}")
         ref, out = results[("clip", "ddp")], results[("clip", stage)]
         assert ref["norms"].min() > 0.05, "the clip must actually clip"
         torch.testing.assert_close(out["norms"], ref["norms"], rtol=1e-6, atol=0)

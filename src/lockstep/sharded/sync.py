@@ -114,7 +114,7 @@ class GradSync:
                     )
                     self._launch(flat)
             self._collect(block=True)
-            if self.timeline is not None:
-                self.timeline.poll()
             self.syncing = False
         self.at_backward_end()
+        if self.timeline is not None:
+            self.timeline.poll()
