@@ -8,7 +8,7 @@ from lockstep.cli import main
 def test_plan_names_the_first_stage_that_fits(capsys):
     assert main(["plan", "--model", "llama-2-7b", "--gpus", "4"]) == 0
     out = capsys.readouterr().out
-    assert "DDP does not fit: lockstep.ShardedDataParallel(model, stage=1) (ZeRO-1)" in out
+    assert "DDP does not fit; lockstep.ShardedDataParallel(model, stage=1) (ZeRO-1)" in out
     assert main(["plan", "--model", "llama-2-7b", "--gpus", "4", "--gpu-memory", "40GB"]) == 0
     assert "ShardedDataParallel(model, stage=2) (ZeRO-2)" in capsys.readouterr().out
 

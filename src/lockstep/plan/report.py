@@ -87,7 +87,7 @@ def _sharding_advice(plan: Plan) -> list[str]:
             "  no strategy fits: add GPUs, or train fewer parameters (--lora-rank, --trainable)"
         ]
     return [
-        f"  DDP does not fit: lockstep.ShardedDataParallel(model, stage={stage}) "
+        f"  advice: DDP does not fit; lockstep.ShardedDataParallel(model, stage={stage}) "
         f"({rows[stage].strategy.label}) does; see docs/sharding.md"
     ]
 
