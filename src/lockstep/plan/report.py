@@ -83,9 +83,7 @@ def _sharding_advice(plan: Plan) -> list[str]:
         return []
     stage = next((i for i, row in enumerate(rows) if row.fits), None)
     if stage is None:
-        return [
-            "  no strategy fits: add GPUs, or train fewer parameters (--lora-rank, --trainable)"
-        ]
+        return ["  advice: no strategy fits; add GPUs, or train fewer parameters (--lora-rank)"]
     return [
         f"  advice: DDP does not fit; lockstep.ShardedDataParallel(model, stage={stage}) "
         f"({rows[stage].strategy.label}) does; see docs/sharding.md"
