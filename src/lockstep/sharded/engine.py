@@ -148,15 +148,18 @@ class ShardedDataParallel(nn.Module):
         return output
 
     def _refresh_full(self) -> None:
-        """Stages 1 and 2: all-gather the shards the optimizer updated into `full`."""
-        if self.stage == 1:
-            for flat in self.flats:  # the averaged gradient of the last step is consumed
-                if self._params_stale:
-                    flat.full.grad = None
-        if self._params_stale:
-            for handle in [flat.gather() for flat in self.flats]:
-                handle.wait()
-            self._params_stale = False
+        """Stages 1 and 2, after a synchronised backward: all-gather the updated shards.
+
+        Stage 1's averaged gradient in `full.grad` has been consumed by then (the
+        optimizer read its shard), so it is dropped and the next backward starts afresh.
+        """
+        if not self._params_stale:
+            return
+        for flat in self.flats:
+            flat.full.grad = None
+        for handle in [flat.gather() for flat in self.flats]:
+            handle.wait()
+        self._params_stale = False
 
     def _at_backward_end(self) -> None:
         if self.scheduler is not None:
