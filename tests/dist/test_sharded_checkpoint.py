@@ -2,11 +2,10 @@
 
 A stage-3 GPT trains 2 steps, is saved (every rank gathers, rank 0 writes, as
 atomically as any checkpoint), and trains 2 more. A fresh run restoring the
-checkpoint at world size 2 must repeat those 2 steps bitwise; one restoring at
-world size 4 must hold exactly the saved
-model and optimizer state, each rank its new slice.
-(The optimizer state is kept per unit, so it restores into the same stage and
-units; the model state dict restores anywhere.)
+checkpoint at world size 2 must repeat those 2 steps bitwise. Restored at
+world size 4 (stage 3), at world size 2 with stage 1 (other units) and into
+lockstep's DDP, the model and the per-parameter optimizer state must be
+exactly the saved ones, each rank holding its new slice.
 """
 
 from __future__ import annotations
@@ -47,6 +46,8 @@ def _save_then_train(ctx, directory: str) -> dict:
 
 
 def _restore(ctx, directory: str, stage: int, train: bool) -> dict:
+    if stage == 0:
+        return _restore_ddp(ctx, directory)
     model = _model(stage)
     torch.manual_seed(123)  # a different start: everything must come from the checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -62,17 +63,27 @@ def _restore(ctx, directory: str, stage: int, train: bool) -> dict:
     return out
 
 
+def _restore_ddp(ctx, directory: str) -> dict:
+    """lockstep DDP from the sharded checkpoint: plain keys, per-parameter optimizer state."""
+    model = lockstep.DDP(build("gpt"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = lockstep.Checkpointer(directory).restore(model=model, optimizer=opt)
+    saved = opt.state_dict()
+    saved["sharded"] = True
+    return {"step": step, "model": model.state_dict(), "optimizer": saved}
+
+
 def _same(a: dict, b: dict, what: str) -> None:
     assert list(a) == list(b), what
     for key in a:
         assert torch.equal(a[key], b[key]), f"{what}: {key}"
 
 
-def _same_optimizer(a: dict, b: dict) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
+def _same_optimizer(a: dict, b: dict, what: str) -> None:
+    assert a["param_groups"] == b["param_groups"], what
+    assert a["state"].keys() == b["state"].keys(), what
     for index, entry in a["state"].items():
-        _same(entry, b["state"][index], f"optimizer state {index}")
+        _same(entry, b["state"][index], f"{what}: optimizer state of parameter {index}")
 
 
 def test_resume_exact_at_same_world_size_and_resharded_at_another(tmp_path):
@@ -85,6 +96,8 @@ def test_resume_exact_at_same_world_size_and_resharded_at_another(tmp_path):
             assert torch.equal(x, y), f"rank {rank}: resumed loss differs"
         _same(first[rank]["final"], again[rank]["final"], "final parameters after resume")
     saved = first[0]["saved"]
-    for out in run_ranks(_restore, 4, directory, 3, False, deadline_s=120):
-        _same(saved["model"], out["model"], "model restored at world size 4")
-        _same_optimizer(saved["optimizer"], out["optimizer"])
+    for world, stage in ((4, 3), (2, 1), (2, 0)):
+        for out in run_ranks(_restore, world, directory, stage, False, deadline_s=120):
+            what = f"world size {world}, stage {stage}"
+            _same(saved["model"], out["model"], f"model restored at {what}")
+            _same_optimizer(saved["optimizer"], out["optimizer"], what)

@@ -3,9 +3,9 @@
 A sharded model's weights and optimizer state are spread over the ranks, so
 before rank 0 writes, every rank takes part in gathering them
 (`gather_for_save`): the file then holds the plain module's state dict and the
-optimizer state with each shard-shaped tensor as one full, unpadded flat. On
-restore each rank reads the file and keeps its own slice (`load_sharded`), so a
-checkpoint resumes exactly at the same world size and reshards at another.
+per-parameter optimizer state a plain optimizer would have. On restore each
+rank reads the file and keeps its own slice (`load_sharded`), so a checkpoint
+resumes exactly at the same world size and reshards at another (or another stage).
 """
 
 from __future__ import annotations

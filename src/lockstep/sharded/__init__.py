@@ -8,7 +8,8 @@
 | `collective.py` | the bucket collectives: all-reduce (1), reduce-scatter (2, 3) |
 | `sync.py` | gradient collectives driven by backward's hooks |
 | `gather.py` | stage 3: gather before use, free after, prefetch the next unit |
-| `state.py` | full state dicts and optimizer states from shards, and back |
+| `state.py` | full state dicts from shards, and back |
+| `optim_state.py` | the optimizer state as the plain model's per-parameter state dict |
 | `clip.py` | the global gradient norm over shards |
 | `agreement.py` | arguments checked on every rank together |
 | `memory.py` | state bytes per rank, measured and as `lockstep plan` predicts |

@@ -22,6 +22,7 @@ from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB
 from lockstep.engine.checks import verify_same_parameters
 from lockstep.engine.replicas import broadcast_module
+from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
 from lockstep.sharded.agreement import check_arguments
 from lockstep.sharded.clip import clip_grad_norm_
@@ -70,6 +71,7 @@ class ShardedDataParallel(nn.Module):
         self._sync_grads = True
         self._params_stale = False
         self._keys = list(module.state_dict().keys())
+        self._plain_index = {id(p): i for i, p in enumerate(module.parameters())}
         trainable = collect_params(module)
         verify_same_parameters([(s.names[0], s.param) for s in trainable], process_group)
         broadcast_module(module, process_group)
@@ -217,14 +219,16 @@ class ShardedDataParallel(nn.Module):
         return self.module.load_state_dict(rest, strict=False)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """`optimizer`'s state gathered to full flats (world-size free); every rank calls it."""
-        return sharded_state.gather_optimizer_state(optimizer, self.flats)
+        """`optimizer`'s state as the plain model's per-parameter state dict (every rank)."""
+        return optim_state.gather_optimizer_state(optimizer, self.flats, self._plain_index)
 
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     ) -> None:
-        """Load what `optimizer_state_dict` returned, at this or another world size."""
-        sharded_state.load_optimizer_state(optimizer, self.flats, saved, self.ctx.rank)
+        """Load a per-parameter optimizer state (ours, or a plain/DDP one), at any world size."""
+        optim_state.load_optimizer_state(
+            optimizer, self.flats, self._plain_index, saved, self.ctx.rank
+        )
 
 
 def FSDP(module: nn.Module, **kwargs: Any) -> ShardedDataParallel:

@@ -2,10 +2,9 @@
 
 `full_state_dict` all-gathers each flat and returns the plain module's state
 dict: the same keys in the same order (tied weights under each name), so it
-loads into the unwrapped model and into lockstep's DDP. The optimizer state is
-gathered the same way, each shard-shaped tensor into the unpadded flat of its
-unit; loading slices this rank's part again, so a checkpoint written at one
-world size resumes at another. Every rank must call the gathering functions.
+loads into the unwrapped model and into lockstep's DDP; loading keeps this
+rank's slice of each flat, at any world size (the optimizer's state:
+`optim_state.py`). Every rank must call the gathering functions.
 """
 
 from __future__ import annotations
@@ -79,62 +78,3 @@ def load_flats(flats: list[FlatParam], state: dict[str, Any], rank: int) -> None
                 gathered = flat.full.data
                 gathered[: flat.layout.numel].copy_(full)
                 gathered[start:end].copy_(flat.shard.data)
-
-
-def _shard_states(optimizer: torch.optim.Optimizer, flats: list[FlatParam]) -> list[Any]:
-    """For each parameter the optimizer holds, in its order: its flat, or None."""
-    by_shard = {id(flat.shard): flat for flat in flats}
-    return [by_shard.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-
-
-def gather_optimizer_state(
-    optimizer: torch.optim.Optimizer, flats: list[FlatParam]
-) -> dict[str, Any]:
-    """The optimizer's state dict with every shard-shaped tensor gathered (unpadded)."""
-    saved = optimizer.state_dict()
-    owners = _shard_states(optimizer, flats)
-    state = {}
-    for index, entry in saved["state"].items():
-        flat = owners[index]
-        state[index] = {
-            key: _gathered(flat, value) if _is_shard(flat, value) else _copy(value)
-            for key, value in entry.items()
-        }
-    return {"state": state, "param_groups": saved["param_groups"], "sharded": True}
-
-
-def _is_shard(flat: FlatParam | None, value: Any) -> bool:
-    return (
-        flat is not None
-        and isinstance(value, torch.Tensor)
-        and value.shape == flat.shard.shape
-        and value.dim() == 1
-    )
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _gathered(flat: FlatParam, value: torch.Tensor) -> torch.Tensor:
-    return gather_flat(flat, value)[: flat.layout.numel].clone()
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, flats: list[FlatParam], saved: dict[str, Any], rank: int
-) -> None:
-    """Load a state dict from `gather_optimizer_state`, at this or another world size."""
-    owners = _shard_states(optimizer, flats)
-    state = {}
-    for index, entry in saved["state"].items():
-        flat = owners[int(index)]
-        state[index] = {
-            key: local_slice(flat, value, rank)
-            if flat is not None
-            and isinstance(value, torch.Tensor)
-            and value.dim() == 1
-            and value.numel() == flat.layout.numel
-            else value
-            for key, value in entry.items()
-        }
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
