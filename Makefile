@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test demo lint format bench clean
+.PHONY: install test demo lint format bench soak clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ bench: install
 	$(BIN)/python benchmarks/hook_cost.py
 	$(BIN)/python benchmarks/observe_cost.py
 	$(BIN)/python benchmarks/sharded_vs_ddp.py
+
+# 20 random worker kills and one lost launcher across two nodes (namespaces; root); not in `test`.
+soak: install
+	cd benchmarks/soak && ../../$(BIN)/python soak_two_nodes.py --out ../../runs/soak
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

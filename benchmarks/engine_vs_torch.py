@@ -11,7 +11,9 @@ repetitions); overlap, (T_after - T) / (T_after - T_nocomm), where T_after is a
 step that all-reduces one flat buffer after backward and T_nocomm a step with no
 communication; bytes each rank really sent per step (/proc/self/io wchar, which
 counts socket writes) against the ring figure 2(N-1)/N x gradient bytes; and
-per-gradient-tensor overhead at world size 1, (T_engine - T_plain) / tensors.
+per-gradient-tensor overhead at world size 1, (T_engine - T_plain) / tensors; and
+the cost of the step fingerprint: lockstep with it (the default) over lockstep
+with it switched off, in the same alternating phases ("fp on/off" column).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
 
 import lockstep
+from lockstep.engine.fingerprint import StepFingerprint
 from lockstep.engine.stats import ring_wire_bytes
 from lockstep.testing import run_ranks
 
@@ -49,8 +52,10 @@ class Runner:
         self.kind, self.workload = kind, WORKLOADS[name]
         self.model = build(name)
         self.group = group
-        if kind == "lockstep":
+        if kind in ("lockstep", "lockstep_nofp"):
             self.model = lockstep.DistributedDataParallel(self.model, process_group=group)
+        if kind == "lockstep_nofp":  # a world of one makes the fingerprint a no-op
+            self.model.reducer.fingerprint = StepFingerprint(group, dist.get_rank(group), 1)
         elif kind == "torch":
             self.model = nn.parallel.DistributedDataParallel(
                 self.model, process_group=group, gradient_as_bucket_view=True
@@ -94,6 +99,7 @@ def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> 
     solo = _own_group(ctx)
     runners = {
         "lockstep": Runner("lockstep", name, None),
+        "lockstep_nofp": Runner("lockstep_nofp", name, None),
         "torch": Runner("torch", name, None),
         "plain": Runner("plain", name, None),
         "after": Runner("after", name, None),
@@ -131,6 +137,10 @@ def summarize(raw: dict, world: int) -> dict:
     ratios = [
         _median(a) / _median(b) for a, b in zip(times["lockstep"], times["torch"], strict=True)
     ]
+    fp_ratios = [
+        _median(a) / _median(b)
+        for a, b in zip(times["lockstep"], times["lockstep_nofp"], strict=True)
+    ]
     span = med["after"] - med["plain"]
     overlap = {
         k: (med["after"] - med[k]) / span if span > 0 else float("nan")
@@ -141,6 +151,7 @@ def summarize(raw: dict, world: int) -> dict:
         "ratio_median": _median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "fingerprint_ratio": (_median(fp_ratios), min(fp_ratios), max(fp_ratios)),
         "ms": {k: 1e3 * v for k, v in med.items()},
         "overlap": overlap,
         "sent_per_step": {k: _median(raw["sent"][k]) for k in ("lockstep", "torch")},
@@ -156,18 +167,19 @@ def table(rows: dict) -> str:
     lines = [
         "| workload | N | ratio median (min-max) | ms/step lockstep / torch / no comm / after bwd"
         " | overlap lockstep / torch | MB sent/step lockstep / torch / ring | us/tensor lockstep"
-        " / torch |",
-        "|---|---|---|---|---|---|---|",
+        " / torch | fp on/off median (min-max) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (name, world), r in rows.items():
         ms, ov, sent = r["ms"], r["overlap"], r["sent_per_step"]
+        fp = r["fingerprint_ratio"]
         lines.append(
             f"| {name} | {world} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-"
             f"{r['ratio_max']:.3f}) | {ms['lockstep']:.1f} / {ms['torch']:.1f} / "
             f"{ms['plain']:.1f} / {ms['after']:.1f} | {ov['lockstep']:.0%} / {ov['torch']:.0%} | "
             f"{sent['lockstep'] / 1e6:.2f} / {sent['torch'] / 1e6:.2f} / "
             f"{r['ring_bytes'] / 1e6:.2f} | {r['us_per_tensor']['lockstep']:.1f} / "
-            f"{r['us_per_tensor']['torch']:.1f} |"
+            f"{r['us_per_tensor']['torch']:.1f} | {fp[0]:.3f} ({fp[1]:.3f}-{fp[2]:.3f}) |"
         )
     return "\n".join(lines)
 

@@ -9,6 +9,8 @@ rest of the script passes around explicitly. `shutdown()` leaves the group.
 
 from __future__ import annotations
 
+import atexit
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -108,6 +110,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> DistCo
     device = _pick_device(launch, backend)
     if not dist.is_initialized():
         _join(launch, backend, timeout or read_timeout())
+        atexit.register(_leave_at_exit)
     return DistContext(
         rank=launch.rank,
         local_rank=launch.local_rank,
@@ -148,6 +151,19 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
         world_size=launch.world_size,
         timeout=timeout,
     )
+
+
+def _leave_at_exit() -> None:
+    """Destroy the group `init` made if the script did not (no `shutdown()` call).
+
+    A group still alive while the interpreter tears down runs its backend's
+    threads into freed state, which can abort a process that succeeded. After an
+    uncaught exception (`sys.last_value` is set) a collective may still be in
+    flight, and destroying the group could block on it: the process then leaves
+    as before.
+    """
+    if dist.is_initialized() and not hasattr(sys, "last_value"):
+        dist.destroy_process_group()
 
 
 def group_context(

@@ -22,6 +22,8 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 TIMEOUT_VARIABLE = "LOCKSTEP_TIMEOUT_S"
 TRACE_VARIABLE = "LOCKSTEP_TRACE"
+TRACE_FLUSH_VARIABLE = "LOCKSTEP_TRACE_FLUSH_S"
+DEFAULT_TRACE_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -214,15 +216,40 @@ def read_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     return env.get(TRACE_VARIABLE) or None
 
 
+def read_trace_flush_s(env: Mapping[str, str] | None = None) -> float:
+    """Seconds between writes of the LOCKSTEP_TRACE file: LOCKSTEP_TRACE_FLUSH_S, else 5.
+
+    Raises:
+        EnvironmentConfigError: the value is not a positive number.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(TRACE_FLUSH_VARIABLE) or str(DEFAULT_TRACE_FLUSH_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e6:
+        raise EnvironmentConfigError(
+            f"environment variable {TRACE_FLUSH_VARIABLE}={raw!r} is not a positive number "
+            "of seconds; expected for example 5. Fix or unset it."
+        )
+    return seconds
+
+
 def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | int] | None:
     """Under Slurm, the launcher's node count, node rank, first host and port; else None.
 
     The port is MASTER_PORT when set, else derived from SLURM_JOB_ID (in [20000, 30000)),
     so every node of the job picks the same one without being told.
+
+    Raises:
+        EnvironmentConfigError: srun started more than one task per node (each would
+            be a launcher of its own); the message says how to start one per node.
     """
     env = os.environ if env is None else env
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return None
+    _check_one_launcher_per_node(env)
     first_host = env.get("MASTER_ADDR") or _first_host(env.get("SLURM_JOB_NODELIST", ""))
     return {
         "nnodes": _int(env, "SLURM_NNODES"),
@@ -230,6 +257,20 @@ def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | in
         "master_addr": first_host,
         "master_port": _int(env, "MASTER_PORT", 20000 + _int(env, "SLURM_JOB_ID") % 10000),
     }
+
+
+def _check_one_launcher_per_node(env: Mapping[str, str]) -> None:
+    """Inside an srun step, refuse more than one `lockstep run` per node."""
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS", 1)
+    nodes = _int(env, "SLURM_STEP_NUM_NODES", 1)
+    if tasks > nodes:
+        raise EnvironmentConfigError(
+            f"srun started {tasks} tasks on {nodes} node(s) (SLURM_STEP_NUM_TASKS={tasks}, "
+            f"SLURM_STEP_NUM_NODES={nodes}), but `lockstep run` starts the workers itself "
+            "and expects one task per node. Use `srun --ntasks-per-node=1 lockstep run "
+            "--nproc-per-node N ...` (in sbatch: #SBATCH --ntasks-per-node=1), or run "
+            "the script itself under `srun -n N python train.py`."
+        )
 
 
 def read_socket_ifnames(env: Mapping[str, str] | None = None) -> dict[str, str]:

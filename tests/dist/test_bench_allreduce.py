@@ -47,6 +47,8 @@ def test_sweep_at_world_size_2_writes_json_that_plan_accepts(tmp_path, capsys):
         algbw = row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9
         assert row["algbw_GBps"] == pytest.approx(algbw)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (n - 1) / n)
+    slowdown = doc["overlap_slowdown"]  # the same all-reduce idle and while ranks compute
+    assert slowdown["factor"] >= 1.0 and slowdown["idle_s"] > 0 and slowdown["busy_s"] > 0
     # the table lines carry the same figures as the JSON
     table_sizes = [int(line.split()[0]) for line in proc.stdout.splitlines() if line[:1] == " "]
     assert table_sizes == [row["size_bytes"] for row in doc["rows"]]

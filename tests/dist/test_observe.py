@@ -31,8 +31,9 @@ def _train(ctx, out):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     stream = io.StringIO()
     monitor = lockstep.Monitor(
-        ddp, ctx, optimizer=opt, log_every=2, log_dir=out, straggler_every=0, stream=stream
-    )
+        ddp, ctx, optimizer=opt, log_every=2, log_dir=out, straggler_every=0, stream=stream,
+        tensorboard=True,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(10 + ctx.rank)
     metrics, stats, losses = [], [], []
     for _ in range(STEPS):
@@ -96,6 +97,23 @@ def _check_logs(results, out):
         expected = (results[0]["losses"][i] + results[1]["losses"][i]) / 2
         assert math.isclose(record["loss"], expected, rel_tol=1e-6)
         assert record["wire_bytes"] == results[0]["metrics"][i].wire_bytes
+    _check_tensorboard(out, records, results[0]["metrics"])
+
+
+def _check_tensorboard(out, records, metrics):
+    """What `tensorboard --logdir` shows, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list(out.glob("events.out.tfevents.*"))) == 1  # rank 0's only
+    events = EventAccumulator(str(out))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [s.step for s in losses] == [r["step"] for r in records]
+    for scalar, record in zip(losses, records, strict=True):
+        assert math.isclose(scalar.value, record["loss"], rel_tol=1e-6)  # stored as float32
+    step_ms = [s.value for s in events.Scalars("time/step_ms")]
+    for value, m in zip(step_ms, metrics, strict=True):
+        assert math.isclose(value, 1e3 * m.step_seconds, rel_tol=1e-6)
 
 
 def _check_trace(trace_dir, rank, result):

@@ -53,3 +53,15 @@ def hosts(netns_ready):
         yield a, b
     finally:
         pair.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def lockstep_run_reference(tmp_path_factory):
+    """train_tiny.py under `lockstep run --nproc-per-node 2`: what other launchers must match."""
+    from launchkit import TRAIN, Launcher, final_params
+
+    out = tmp_path_factory.mktemp("lockstep_run_reference")
+    argv = ["--nproc-per-node", "2", TRAIN, "--out", str(out), "--steps", "4"]
+    launcher = Launcher(argv, out / "launcher.log")
+    assert launcher.wait(timeout=150) == 0, launcher.log()
+    return final_params(out)

@@ -57,6 +57,19 @@ def test_slurm_variables_fill_in_the_placement(monkeypatch):
     assert run_config(explicit).master_port == 1234  # a flag wins over Slurm
 
 
+def test_more_than_one_launcher_per_node_under_srun_is_refused_with_the_fix(monkeypatch):
+    """`srun -n 2 lockstep run` (variables as a real srun step sets them) is refused."""
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+    for name, value in {**slurm, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1"}.items():
+        monkeypatch.setenv(name, value)
+    parser = cli.build_parser()
+    with pytest.raises(ValueError, match=r"srun started 2 tasks on 1 node\(s\)") as info:
+        run_config(parser.parse_args(["run", "--nproc-per-node", "2", TRAIN]))
+    assert "srun --ntasks-per-node=1 lockstep run" in str(info.value)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task per node is fine
+    assert run_config(parser.parse_args(["run", "--nproc-per-node", "2", TRAIN])).nnodes == 1
+
+
 def test_bad_rank_variables_are_named_by_the_worker():
     """A script started by hand with inconsistent variables fails on init() with their names."""
     code = (

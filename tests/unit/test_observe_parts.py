@@ -204,8 +204,8 @@ def test_checksum_tells_identical_from_different_parameters():
     assert not differ.identical and "[2]" in differ.describe()
 
 
-def test_tensorboard_scalars_when_installed(tmp_path):
-    pytest.importorskip("tensorboard")
+def test_tensorboard_scalars_read_back_by_tensorboard(tmp_path):
+    # tensorboard is a dev dependency: this test runs, it never skips.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lockstep.observe.logger import TensorBoardSink

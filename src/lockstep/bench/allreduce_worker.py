@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
+from lockstep.bench.slowdown import measure_slowdown
 from lockstep.bench.sweep import Row, format_table, make_row, result_json, sweep_sizes
 from lockstep.bench.timing import back_to_back_seconds
 from lockstep.plan.units import parse_bytes, parse_dtype
@@ -126,6 +127,7 @@ def main(argv: list[str]) -> int:
     ctx = lockstep.init(backend=opts.backend)
     try:
         rows = run_sweep(ctx, opts)
+        slowdown = measure_slowdown(ctx.device, opts.iters, opts.warmup)
     finally:
         lockstep.shutdown()
     if ctx.is_main:
@@ -138,12 +140,18 @@ def main(argv: list[str]) -> int:
             "warmup": opts.warmup,
         }
         doc = result_json(rows, ctx.world_size, meta)
+        doc["overlap_slowdown"] = slowdown
         print(
             f"# lockstep bench allreduce: world size {ctx.world_size}, {ctx.backend}, "
             f"{ctx.device.type}, {opts.iters} iterations per size",
             flush=True,
         )
         print(format_table(rows, doc), flush=True)
+        print(
+            f"# Slowdown if computing : x{slowdown['factor']:.2f} at 4 MiB (all-reduce while "
+            "every rank computes, against idle; read by `lockstep plan --profile`)",
+            flush=True,
+        )
         if opts.json_path:
             with open(opts.json_path, "w") as fp:
                 json.dump(doc, fp, indent=2)

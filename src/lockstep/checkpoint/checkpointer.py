@@ -24,6 +24,7 @@ from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.sharded import gather_for_save, load_sharded
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.context import group_context
+from lockstep.engine import progress
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 from lockstep.sharded.engine import ShardedDataParallel
@@ -100,6 +101,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save() expected a step that is an int >= 0; found {step!r}")
+        progress.note(progress.Phase.CHECKPOINT, step, label=f"Checkpointer.save(step={step})")
         model, optimizer = gather_for_save(model, optimizer)  # every rank, for sharded models
         states = self._gather_rng()
         error = None

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lockstep.checkpoint.write_error import describe_write_failure
 from lockstep.errors import CheckpointError
 
 FORMAT_KEY = "lockstep_checkpoint"
@@ -73,11 +74,28 @@ class CheckpointFiles:
         """Write `payload` as the checkpoint of `step` and commit it; returns its path.
 
         Raises:
-            OSError: the directory cannot be created or written; nothing committed changed.
+            OSError: the directory cannot be created; nothing committed changed.
+            CheckpointError: writing failed (a full disk, say); the message names the
+                directory, the bytes needed and free, and the cause. The partial file
+                is removed and the last committed checkpoint stays the restore point.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_temp_files()
         final = self.path_for(step)
+        committed, _ = self.committed_step()
+        try:
+            self._write_and_commit(payload, final)
+        except Exception as error:
+            self._remove_temp_files()
+            if committed != step and self.committed_step()[0] != step:
+                final.unlink(missing_ok=True)  # renamed into place but never named by `latest`
+            raise CheckpointError(
+                describe_write_failure(final, payload, committed, error)
+            ) from error
+        self.prune(step)
+        return final
+
+    def _write_and_commit(self, payload: dict[str, Any], final: Path) -> None:
         tmp = self.directory / f".{final.name}.tmp"
         with open(tmp, "wb") as fp:
             torch.save(payload, fp)
@@ -90,8 +108,6 @@ class CheckpointFiles:
         self._point("renamed")
         self._write_pointer(final.name)
         self._point("pointer_updated")
-        self.prune(step)
-        return final
 
     def _write_pointer(self, name: str) -> None:
         tmp = self.directory / f".{POINTER}.tmp"

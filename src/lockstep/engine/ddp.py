@@ -28,6 +28,7 @@ from lockstep.engine.replicas import broadcast_module, broadcast_tensors
 from lockstep.engine.stats import StepStats
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.observe.envtrace import attach_trace_from_env
 
 
 class DistributedDataParallel(nn.Module):
@@ -95,6 +96,7 @@ class DistributedDataParallel(nn.Module):
             local_world_size,
             check_data_passes,
         )
+        self.env_tracer = attach_trace_from_env(self)  # LOCKSTEP_TRACE; None when unset
 
     @staticmethod
     def _check_arguments(

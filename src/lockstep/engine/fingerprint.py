@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import progress, stall
+from lockstep.engine.handles import WorkHandle
 from lockstep.errors import RankMismatchError
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
@@ -57,6 +59,7 @@ class StepFingerprint:
         self._mine: Fingerprint | None = None
         self._sums: torch.Tensor | None = None
         self._work: dist.Work | None = None
+        self._step = 0  # the step in progress, for progress notes and stall messages
 
     def launch(self, mine: Fingerprint | None) -> None:
         """Start the all-reduce of (1, v..., v*v...); None: a shadow of zeros (Join).
@@ -72,13 +75,16 @@ class StepFingerprint:
             values = torch.tensor(mine.values(), dtype=torch.int64)
             self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
         self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
+        self._step = mine.step if mine is not None else self._step + 1
+        progress.note(progress.Phase.BACKWARD, self._step)
 
     def check(self) -> None:
         """Wait for the sums; raise `RankMismatchError` on every rank if any value differs."""
         if self._work is None:
             return
         work, self._work = self._work, None
-        work.wait()
+        stall.wait(WorkHandle(work), "step fingerprint", self._step, -1, self.group)
+        progress.note(progress.Phase.SYNCHRONISED, self._step)
         assert self._sums is not None
         n = len(FIELDS)
         taking_part, rest = int(self._sums[0]), self._sums[1:]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import stall
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import BucketCollective
@@ -244,7 +245,7 @@ class Reducer:
         assert step is not None
         for bucket in self.buckets[: step.next_bucket]:
             assert bucket.handle is not None
-            bucket.handle.wait()
+            stall.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
             bucket.times.done = bucket.handle.done_at
         self.fingerprint.check()
         if step.next_bucket < len(self.buckets):

@@ -25,6 +25,7 @@ from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.rendezvous import NodeRankRendezvous
 from lockstep.launch.report import describe, restart_line
+from lockstep.launch.stall import StallWatch
 from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
@@ -53,6 +54,7 @@ class LockstepAgent(LocalElasticAgent):
         silence_s: a node whose heartbeat stalls this long is declared lost.
         rdzv_timeout_s: the rendezvous' join timeout (how long joining may take).
         watchdog: told of every step forward, so a store that hangs ends the launcher.
+        stalls: the workers' progress watch (`lockstep.launch.stall`); None: off.
     """
 
     def __init__(
@@ -62,9 +64,11 @@ class LockstepAgent(LocalElasticAgent):
         silence_s: float,
         rdzv_timeout_s: float,
         watchdog: Watchdog,
+        stalls: StallWatch | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._stalls = stalls
         self._watchdog = watchdog
         self._rdzv_timeout_s = rdzv_timeout_s
         self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
@@ -104,6 +108,8 @@ class LockstepAgent(LocalElasticAgent):
         self._posted = False
         self.reports = {}
         self._beats = {}
+        if self._stalls is not None:
+            self._stalls.reset()
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._watchdog.pet("stopping the workers", self._shutdown_timeout)
@@ -132,7 +138,19 @@ class LockstepAgent(LocalElasticAgent):
             if cause:
                 self._end_round(cause, [])
                 return RunResult(state=WorkerState.FAILED)
+            if self._stalls is not None:
+                return self._check_stall(worker_group, result)
         return result
+
+    def _check_stall(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """End the round when the workers stopped progressing (`lockstep.launch.stall`)."""
+        assert self._stalls is not None
+        stall = self._stalls.check(worker_group.workers, self.node_rank, self.rendezvous.me.host)
+        if stall is None:
+            return result
+        log.error("%s", stall.message)
+        self._end_round("workers stalled", stall.failures)
+        return RunResult(state=WorkerState.FAILED)
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""

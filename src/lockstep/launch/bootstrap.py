@@ -7,7 +7,8 @@ to the error file that torch.distributed.elastic gives every worker
 (TORCHELASTIC_ERROR_FILE), so the launcher can print the real cause: no decorator
 for the user to add. The worker asks the kernel to kill it if the launcher (PID)
 dies, so a launcher killed with SIGKILL leaves no worker behind. A worker killed
-by a fatal signal from native code prints the Python stack of every thread first.
+by a fatal signal from native code prints the Python stack of every thread first;
+on SIGUSR2 it writes that stack for the launcher's stall watch (`launch/stall.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # engine.progress reads it too
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,6 +88,7 @@ def main(argv: list[str]) -> None:
     # A crash in native code (SIGABRT, SIGSEGV) raises nothing to record: print every
     # thread's Python stack to stderr instead, so the launcher's log shows where it was.
     faulthandler.enable(all_threads=True)
+    _arm_stack_dump()
     target = _target(argv)
     try:
         target()
@@ -101,6 +104,20 @@ def main(argv: list[str]) -> None:
         sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
         _exit_now(1)
     _leave_groups()
+
+
+_stack_file: Any = None  # kept open for faulthandler for the life of the process
+
+
+def _arm_stack_dump() -> None:
+    """On SIGUSR2, write every thread's Python stack where the launcher's stall watch reads it."""
+    global _stack_file
+    directory = os.environ.get(PROGRESS_DIR_VARIABLE)
+    if not directory:
+        return
+    path = os.path.join(directory, f"{os.environ.get('LOCAL_RANK', '0')}.stack")
+    _stack_file = open(path, "w")  # noqa: SIM115 (faulthandler writes to it until exit)
+    faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
 
 
 def _leave_groups() -> None:
@@ -122,6 +139,9 @@ def _exit_now(code: int) -> None:
     the process ("terminate called without an active exception"), which would
     replace the real exit code with SIGABRT. The error is already recorded.
     """
+    trace = sys.modules.get("lockstep.observe.envtrace")
+    if trace is not None:  # LOCKSTEP_TRACE: the steps since the last background write
+        trace.flush_traces()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

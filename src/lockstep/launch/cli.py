@@ -15,7 +15,13 @@ import argparse
 from pathlib import Path
 
 from lockstep.env import DEFAULT_MASTER_ADDR, read_slurm_nodes
-from lockstep.launch.config import DEFAULT_RDZV_TIMEOUT_S, RunConfig, add_nproc_flag, parse_nproc
+from lockstep.launch.config import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    RunConfig,
+    add_nproc_flag,
+    parse_nproc,
+)
 
 DEFAULTS: dict[str, str | int] = {
     "nnodes": 1,
@@ -38,6 +44,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="restart the whole group (every node) up to this many times after a failure",
+    )
+    run.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="end the run when no worker progressed for this many seconds while some wait "
+        "in a collective, naming the stuck rank with its stack (0: off)",
+    )
+    run.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="every worker writes DIR/trace_rank<R>.json (LOCKSTEP_TRACE); at the end this "
+        "node merges them, draws DIR/timeline.png and prints the straggler line",
     )
     run.add_argument(
         "-m",
@@ -96,6 +116,8 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         max_restarts=ns.max_restarts,
         rdzv_timeout_s=ns.rdzv_timeout,
         local_addr=ns.local_addr,
+        stall_timeout_s=ns.stall_timeout,
+        trace_dir=ns.trace,
     )
 
 

@@ -14,6 +14,7 @@ MAX_AUTO_CPU_PROCS = 4
 
 
 DEFAULT_RDZV_TIMEOUT_S = 120
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
 def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ class RunConfig:
             routing table which local address leads to the master.
         extra_env: variables added to the workers' environment.
         shutdown_timeout_s: after SIGTERM, seconds a worker gets before SIGKILL.
+        stall_timeout_s: end the run when no worker progressed for this long while
+            some wait in a collective (`lockstep.launch.stall`); 0 turns the watch off.
+        trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
     """
 
     target: list[str]
@@ -59,6 +63,8 @@ class RunConfig:
     local_addr: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     shutdown_timeout_s: int = 10
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:
@@ -90,6 +96,13 @@ class RunConfig:
             )
         if not self.master_addr:
             raise ValueError("--master-addr must name the master node; found an empty string")
+        self._check_stall_timeout()
+
+    def _check_stall_timeout(self) -> None:
+        if self.stall_timeout_s < 0:
+            raise ValueError(
+                f"--stall-timeout must be >= 0 seconds (0: off); found {self.stall_timeout_s}"
+            )
 
     @property
     def world_size(self) -> int:

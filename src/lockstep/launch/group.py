@@ -24,7 +24,7 @@ LEFT_KEY = "lockstep/left"
 # Messages that mean "a peer went away", the echo of a failure rather than its cause.
 _ECHO = re.compile(
     r"connection (reset|closed|refused)|broken pipe|connectfullmesh|socket timeout|"
-    r"timed out|dist(network|backend)error|communicator was aborted|peer",
+    r"timed out|dist(network|backend)error|communicator was aborted|peer|stalled: waiting",
     re.IGNORECASE,
 )
 

@@ -15,6 +15,8 @@ import os
 import signal
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -25,15 +27,17 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from lockstep.engine import progress
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group
+from lockstep.launch import group, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
 from lockstep.launch.rendezvous import NodeInfo, build
 from lockstep.launch.report import summarize
+from lockstep.launch.stall import StallWatch
 from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
@@ -78,7 +82,17 @@ def _set_worker_env(cfg: RunConfig, route: Route) -> str:
     return "; ".join(parts)
 
 
-def _agent(cfg: RunConfig, me: NodeInfo, watchdog: Watchdog) -> LockstepAgent:
+def _stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
+    """The workers' progress watch; its files' folder is exported to the workers."""
+    if not cfg.stall_timeout_s:
+        return None
+    os.environ[progress.DIR_VARIABLE] = str(directory)
+    return StallWatch(directory, cfg.stall_timeout_s, cfg.nnodes)
+
+
+def _agent(
+    cfg: RunConfig, me: NodeInfo, watchdog: Watchdog, stalls: StallWatch | None = None
+) -> LockstepAgent:
     spec = WorkerSpec(
         role="worker",
         local_world_size=cfg.nproc_per_node,
@@ -99,6 +113,7 @@ def _agent(cfg: RunConfig, me: NodeInfo, watchdog: Watchdog) -> LockstepAgent:
         silence_s=max(10.0, cfg.rdzv_timeout_s / 4),
         rdzv_timeout_s=cfg.rdzv_timeout_s,
         watchdog=watchdog,
+        stalls=stalls,
     )
 
 
@@ -126,10 +141,15 @@ def run(cfg: RunConfig) -> int:
         return 1
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
+    with tempfile.TemporaryDirectory(prefix="lockstep-progress-") as directory:
+        return _run_agent(cfg, me, _stall_watch(cfg, Path(directory)))
+
+
+def _run_agent(cfg: RunConfig, me: NodeInfo, stalls: StallWatch | None) -> int:
     watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}")
     watchdog.pet("connecting to the rendezvous store", cfg.rdzv_timeout_s)
     try:
-        agent = _agent(cfg, me, watchdog)
+        agent = _agent(cfg, me, watchdog, stalls)
     except (RendezvousError, dist.DistError) as error:
         watchdog.stop()
         log.error(
@@ -144,6 +164,7 @@ def run(cfg: RunConfig) -> int:
         watchdog.pet("leaving the rendezvous")
         _leave(cfg, agent, others_may_read)
         watchdog.stop()
+    tracing.report(cfg)
     return code
 
 
@@ -152,6 +173,7 @@ def _prepare(cfg: RunConfig) -> NodeInfo:
     ip, route = find_route(cfg)
     me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
     _describe_start(cfg, me, route, _set_worker_env(cfg, route))
+    tracing.prepare(cfg)
     check_master(cfg, ip)
     return me
 

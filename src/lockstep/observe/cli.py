@@ -1,6 +1,7 @@
 """`lockstep trace`: merge the ranks' Chrome traces into one file, or draw a few steps.
 
     lockstep trace merge runs/demo/trace -o runs/demo/trace.json
+    lockstep trace merge node0/trace node1/trace -o all.json     # join nodes' directories
     lockstep trace plot runs/demo/trace.json -o runs/demo/timeline.png --steps 3
 
 A missing or unreadable trace is bad input: one line, exit code 2 (see lockstep.cli).
@@ -9,9 +10,10 @@ A missing or unreadable trace is bad input: one line, exit code 2 (see lockstep.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from lockstep.observe.plot import plot_timeline
-from lockstep.observe.trace import merge_traces
+from lockstep.observe.trace import MERGED_NAME, join_traces, merge_traces
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,8 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = trace.add_subparsers(dest="action", required=True)
     merge = actions.add_parser("merge", help="merge every rank's trace into one file")
-    merge.add_argument("directory", help="directory holding trace_rank<N>.json")
-    merge.add_argument("-o", "--output", default=None, help="merged file (default DIR/trace.json)")
+    merge.add_argument(
+        "directory", nargs="+", help="directory holding trace_rank<N>.json (one per node)"
+    )
+    merge.add_argument(
+        "-o", "--output", default=None, help="merged file (default FIRST_DIR/trace.json)"
+    )
     merge.set_defaults(handler=_merge)
     plot = actions.add_parser("plot", help="draw a few steps, one lane per rank, as a PNG")
     plot.add_argument("source", help="a merged trace file, or a directory of rank files")
@@ -34,7 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _merge(ns: argparse.Namespace) -> int:
-    print(f"merged trace: {merge_traces(ns.directory, ns.output)}")
+    first = ns.directory[0]
+    if len(ns.directory) == 1:
+        merged = merge_traces(first, ns.output)
+    else:
+        merged = join_traces(ns.directory, ns.output or Path(first) / MERGED_NAME)
+    print(f"merged trace: {merged}")
     return 0
 
 

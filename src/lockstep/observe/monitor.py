@@ -106,6 +106,7 @@ class Monitor:
         self._optimizer: list[float] = []
         self._hooks = self._build_optimizer_hooks(optimizer)
         self._build_sinks(log_dir, tensorboard, total_steps, start_step, progress, stream)
+        self._env_tracer: Any = None
         self.trace = self._build_trace(trace, trace_steps)
         self.watch = StragglerWatch(self.group, ctx.device, ctx.world_size)
 
@@ -141,9 +142,16 @@ class Monitor:
         self.tensorboard = TensorBoardSink(log_dir) if main and log_dir and use_tb else None
 
     def _build_trace(self, trace: PathLike | bool | None, steps: int) -> TraceRecorder | None:
+        """The recorder; the engine's LOCKSTEP_TRACE tracer hands over its file when it has one."""
+        tracer = getattr(self.ddp, "env_tracer", None)
+        if trace is False and tracer is not None:
+            tracer.close(write=False)  # trace=False: off, even with LOCKSTEP_TRACE set
         directory = read_trace_dir() if trace is None or trace is True else trace
         if not directory:
             return None
+        if tracer is not None and tracer.directory == Path(directory).resolve():
+            self._env_tracer = tracer
+            return tracer.hand_over(self.ctx.rank, steps)
         return TraceRecorder(directory, self.ctx.rank, self.ctx.world_size, steps)
 
     # ----------------------------------------------------------------- step
@@ -254,7 +262,10 @@ class Monitor:
         if self.trace is None:
             return None
         trace, self.trace = self.trace, None
-        trace.write()
+        if self._env_tracer is not None:  # stops its background writes after the last one
+            self._env_tracer.close()
+        else:
+            trace.write()
         if self.ctx.world_size > 1:
             dist.barrier(group=self.group)
         if not self.ctx.is_main:

@@ -6,14 +6,18 @@ it turns them into trace events: a `step` slice holding `data`, `forward`,
 one track per bucket a `ready` instant and the `all-reduce` slice from launch to
 done. Only the last `max_steps` steps are kept. Timestamps are wall-clock
 microseconds, so the files of ranks on one machine line up exactly when
-`merge_traces` puts them in one file (one process per rank).
+`merge_traces` puts them in one file (one process per rank). Recording and
+writing may run on different threads (`observe/envtrace.py` writes from a
+background thread): the kept steps sit behind a lock, the file behind another.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,9 @@ class TraceRecorder:
         self.rank, self.world_size = rank, world_size
         self._offset = time.time() - time.perf_counter()  # perf_counter() -> epoch seconds
         self._steps: deque[tuple[Any, ...]] = deque(maxlen=max_steps)
-        self._num_buckets = 0
+        self._lock = threading.Lock()  # guards _steps and recorded
+        self._write_lock = threading.Lock()  # one writer of the file at a time
+        self.recorded = 0  # steps recorded so far (a writer compares it with its last write)
 
     def _us(self, t: float) -> float:
         return round((t + self._offset) * 1e6, 3)
@@ -82,8 +88,21 @@ class TraceRecorder:
             step_end: when the monitor was told the step ended.
             optimizer: (start, end) of `optimizer.step()`, or None when not timed.
         """
+        self.record_step(metrics.step, stats, step_begin, step_end, optimizer)
+
+    def record_step(
+        self,
+        step: int,
+        stats: StepStats | None,
+        step_begin: float,
+        step_end: float,
+        optimizer: tuple[float, float] | None = None,
+    ) -> None:
+        """`record` with the step's number alone (what the env tracer knows); thread-safe."""
         # Keep the raw stamps (StepStats is frozen); events are built only when written.
-        self._steps.append((metrics.step, stats, step_begin, step_end, optimizer))
+        with self._lock:
+            self._steps.append((step, stats, step_begin, step_end, optimizer))
+            self.recorded += 1
 
     def _step_events(
         self,
@@ -116,7 +135,6 @@ class TraceRecorder:
             end = backward_end + stats.exposed_seconds
             events.append(add("wait for all-reduce", "exposed", backward_end, end, tid, args))
         for b in stats.buckets:
-            self._num_buckets = max(self._num_buckets, b.index + 1)
             info = {**args, "bucket": b.index, "bytes": b.nbytes, "params": b.num_params}
             info["ready_ms"] = round(b.ready * 1e3, 3)
             events.append(
@@ -132,29 +150,37 @@ class TraceRecorder:
 
     def events(self) -> list[dict[str, Any]]:
         """Track names and the kept steps' events, oldest first."""
-        steps = [self._step_events(*recorded) for recorded in self._steps]
+        with self._lock:
+            kept = list(self._steps)
+        steps = [self._step_events(*recorded) for recorded in kept]
+        num_buckets = max((len(r[1].buckets) for r in kept if r[1] is not None), default=0)
         meta = [
             _meta("process_name", self.rank, COMPUTE_TID, {"name": f"rank {self.rank}"}),
             _meta("process_sort_index", self.rank, COMPUTE_TID, {"sort_index": self.rank}),
             _meta("thread_name", self.rank, COMPUTE_TID, {"name": "compute"}),
         ]
-        for index in range(self._num_buckets):
+        for index in range(num_buckets):
             tid = bucket_tid(index)
             meta.append(_meta("thread_name", self.rank, tid, {"name": f"bucket {index}"}))
             meta.append(_meta("thread_sort_index", self.rank, tid, {"sort_index": tid}))
         return meta + [event for step in steps for event in step]
 
     def write(self) -> Path:
-        """Write `trace_rank{rank}.json` (a complete JSON object) and return its path."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "traceEvents": self.events(),
-            "displayTimeUnit": "ms",
-            "otherData": {"rank": self.rank, "world_size": self.world_size},
-        }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(document, separators=(",", ":")))
-        tmp.replace(self.path)
+        """Write `trace_rank{rank}.json` (a complete JSON object) and return its path.
+
+        The file is written aside and renamed over the old one, so a reader (or a
+        process killed mid-write) only ever sees a whole trace.
+        """
+        with self._write_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            document = {
+                "traceEvents": self.events(),
+                "displayTimeUnit": "ms",
+                "otherData": {"rank": self.rank, "world_size": self.world_size},
+            }
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(document, separators=(",", ":")))
+            tmp.replace(self.path)
         return self.path
 
 
@@ -202,7 +228,10 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
 
 
 def merge_traces(
-    directory: str | Path, out: str | Path | None = None, world_size: int | None = None
+    directory: str | Path,
+    out: str | Path | None = None,
+    world_size: int | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> Path:
     """Merge the ranks' traces in `directory` into one file (default `directory/trace.json`).
 
@@ -211,6 +240,7 @@ def merge_traces(
         out: the merged file.
         world_size: merge exactly ranks 0..world_size-1 (files left by an earlier run
             with more ranks are ignored); None: every rank file found.
+        ranks: merge exactly these ranks (one node's, say); overrides world_size.
 
     Returns:
         The path of the merged file.
@@ -219,13 +249,37 @@ def merge_traces(
         ValueError: no rank files (or a missing one), or one that cannot be read.
     """
     files = rank_files(directory)
-    if world_size is not None:
-        files = [rank_file(directory, rank) for rank in range(world_size)]
+    if world_size is not None or ranks is not None:
+        wanted = list(ranks) if ranks is not None else list(range(world_size or 0))
+        files = [rank_file(directory, rank) for rank in wanted]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise ValueError(f"expected a trace file for every rank; missing {missing}")
+    return _write_merged(files, out if out is not None else Path(directory) / MERGED_NAME)
+
+
+def join_traces(directories: Sequence[str | Path], out: str | Path) -> Path:
+    """Merge the rank files of several directories (one per node) into one file.
+
+    Raises:
+        ValueError: a directory holds no rank file, or one rank is in two different files.
+    """
+    by_rank: dict[int, Path] = {}
+    for directory in directories:
+        for file in rank_files(directory):
+            rank = int(file.stem.removeprefix("trace_rank"))
+            seen = by_rank.setdefault(rank, file)
+            if seen.resolve() != file.resolve():
+                raise ValueError(
+                    f"expected each rank's trace once; rank {rank} is in both {seen} and "
+                    f"{file}. Pass each node's directory once (they come from one run)."
+                )
+    return _write_merged([by_rank[rank] for rank in sorted(by_rank)], out)
+
+
+def _write_merged(files: list[Path], out: str | Path) -> Path:
     events = [event for file in files for event in load_events(file)]
-    out = Path(out) if out is not None else Path(directory) / MERGED_NAME
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"ranks": len(files)}}
     out.write_text(json.dumps(document, separators=(",", ":")))

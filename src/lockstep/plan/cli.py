@@ -16,6 +16,7 @@ from lockstep.plan.links import LINK_FORMS, parse_link, read_measured
 from lockstep.plan.memory import Optimizer, parse_optimizer
 from lockstep.plan.model_count import MODEL_FORMS, resolve_model
 from lockstep.plan.planner import PlanConfig, make_plan
+from lockstep.plan.profile_cli import add_profile_flags, check_profile_flags, step_plan_from_flags
 from lockstep.plan.report import format_table, to_json
 from lockstep.plan.shape import (
     ModelShape,
@@ -24,6 +25,8 @@ from lockstep.plan.shape import (
     full_trainable,
     lora_trainable,
 )
+from lockstep.plan.step_report import format_step_plan, step_plan_json
+from lockstep.plan.timeline import write_predicted
 from lockstep.plan.units import DType, parse_bytes, parse_count, parse_dtype
 
 DTYPES = ", ".join(d.label for d in DType)
@@ -37,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "each step's gradient all-reduce cost? Sizes print in GB = 1e9 bytes.",
     )
     add = plan.add_argument
-    add("--model", required=True, help=f"the model: {MODEL_FORMS}")
+    add("--model", default=None, help=f"the model: {MODEL_FORMS} (default: --profile's)")
     add("--gpus", type=int, default=1, help="data-parallel GPUs in total (default 1)")
     add("--nodes", type=int, default=1, help="nodes the GPUs sit on (default 1)")
     add("--gpu-memory", default="80GB", help="memory of one GPU, with a unit (default 80GB)")
@@ -56,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--bandwidth-from", default=None, help="a `lockstep bench allreduce --json` result")
     add("--bucket-cap", default=f"{BUCKET_BYTES // 2**20}MiB", help="DDP bucket cap")
     add("--json", default=None, metavar="FILE", help="also write JSON to FILE; '-': stdout only")
+    add_profile_flags(add)
     plan.set_defaults(handler=main)
 
 
@@ -93,11 +97,22 @@ def _share(text: str) -> float:
     return share
 
 
+def _model(ns: argparse.Namespace) -> ModelShape:
+    if ns.model is not None:
+        return resolve_model(ns.model)
+    try:
+        return resolve_model(ns.profile)
+    except ValueError as error:  # name the flag the user gave
+        raise ValueError(str(error).replace("--model", "--profile", 1)) from None
+
+
 def plan_config(ns: argparse.Namespace) -> PlanConfig:
     """Validate the flags into a `PlanConfig`; raises ValueError naming the flag."""
     if os.getcwd() not in sys.path:  # pkg.module:factory resolves like `python -m`
         sys.path.insert(0, os.getcwd())
-    model = resolve_model(ns.model)
+    if ns.model is None and getattr(ns, "profile", None) is None:
+        raise ValueError(f"--model is required (or --profile); give {MODEL_FORMS}")
+    model = _model(ns)
     weights = parse_dtype(ns.weights_dtype, "--weights-dtype")
     measured = read_measured(ns.bandwidth_from) if ns.bandwidth_from else None
     return PlanConfig(
@@ -121,12 +136,25 @@ def plan_config(ns: argparse.Namespace) -> PlanConfig:
 
 
 def main(ns: argparse.Namespace) -> int:
-    plan = make_plan(plan_config(ns))
+    check_profile_flags(ns)
+    cfg = plan_config(ns)
+    plan = make_plan(cfg)
+    step = step_plan_from_flags(ns, cfg)
+    document = to_json(plan)
+    if step is not None:
+        document["step"] = step_plan_json(step)
+        if ns.timeline:
+            png, trace = write_predicted(step.sim, ns.timeline)
+            document["step"]["timeline"] = {"png": str(png), "trace": str(trace)}
     if ns.json == "-":
-        print(json.dumps(to_json(plan), indent=2))
+        print(json.dumps(document, indent=2))
         return 0
     print(format_table(plan))
+    if step is not None:
+        print(format_step_plan(step))
+        if ns.timeline:
+            print(f"\npredicted timeline: {png} (trace: {trace})")
     if ns.json:
         with open(ns.json, "w") as fp:
-            json.dump(to_json(plan), fp, indent=2)
+            json.dump(document, fp, indent=2)
     return 0

@@ -1,0 +1,201 @@
+"""The launcher's progress watch: end a stalled run and blame the rank that stopped, not its peers.
+
+Workers note their step and phase in memory-mapped files (`lockstep.engine.progress`);
+the agent calls `StallWatch.check` at every look at its workers. When no local worker
+has progressed for `timeout_s` while at least one of them waits in a collective, the
+run is stalled: the workers that are not waiting are the stuck ones. Each gets
+SIGUSR2, which makes faulthandler (armed by `lockstep.launch.bootstrap`) write its
+Python stack to a file; the stuck rank becomes the first failure, with that stack,
+and the waiting ranks its echoes, with what they wait on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import Worker
+
+from lockstep.engine import progress
+from lockstep.engine.progress import Phase, Record
+from lockstep.launch.group import WorkerFailure
+
+DUMP_SIGNAL = signal.SIGUSR2
+STACK_LINES = 40
+DUMP_WAIT_S = 3.0
+OTHER_NODE_GRACE_S = 10.0  # every local rank waits: give the stuck rank's node time to report
+
+
+def stack_path(directory: str | Path, local_rank: int) -> Path:
+    return Path(directory) / f"{local_rank}.stack"
+
+
+@dataclass(frozen=True)
+class Stall:
+    """What the watch found: failures (stuck ranks first) and the lines the launcher logs."""
+
+    failures: list[WorkerFailure]
+    message: str
+
+
+class StallWatch:
+    """Watches this node's workers' progress files.
+
+    Args:
+        directory: where workers write `<local rank>.progress` and `<local rank>.stack`.
+        timeout_s: seconds without progress on this node before the run is ended.
+        nnodes: nodes in the job; with several, a node whose ranks all wait waits longer.
+    """
+
+    def __init__(self, directory: Path, timeout_s: float, nnodes: int) -> None:
+        self.directory = directory
+        self.timeout_s = timeout_s
+        self.nnodes = nnodes
+        self.reset()
+
+    def reset(self) -> None:
+        """A new round: forget the last one's records and files."""
+        self._seen: dict[int, int] = {}
+        self._since = time.monotonic()
+        for path in self.directory.glob("*.*"):
+            path.unlink(missing_ok=True)
+
+    def check(self, workers: list[Worker], node_rank: int, host: str) -> Stall | None:
+        """A `Stall` when this node's workers stopped progressing while some wait; else None."""
+        now = time.monotonic()
+        records = {w.local_rank: progress.read(self._progress(w)) for w in workers}
+        for local_rank, record in records.items():
+            seq = record.seq if record else 0
+            if self._seen.get(local_rank) != seq:
+                self._seen[local_rank] = seq
+                self._since = now
+        quiet = now - self._since
+        waiting = [w for w in workers if _is_waiting(records[w.local_rank])]
+        stuck = [w for w in workers if w not in waiting]
+        limit = self.timeout_s + (OTHER_NODE_GRACE_S if not stuck and self.nnodes > 1 else 0)
+        if not waiting or quiet < limit:
+            return None
+        waits = {w.global_rank: records[w.local_rank] for w in waiting}
+        failures = [
+            self._stuck(w, records[w.local_rank], waits, quiet, node_rank, host) for w in stuck
+        ]
+        failures += [_waiter(w, records[w.local_rank], quiet, node_rank, host) for w in waiting]
+        return Stall(failures, self._message(stuck, records, waits, quiet))
+
+    def _progress(self, worker: Worker) -> Path:
+        return progress.path_for(self.directory, worker.local_rank)
+
+    def _stuck(
+        self,
+        worker: Worker,
+        record: Record | None,
+        waits: dict[int, Record | None],
+        quiet: float,
+        node_rank: int,
+        host: str,
+    ) -> WorkerFailure:
+        where = record.describe() if record else "starting (no synchronised step yet)"
+        advice = _advice(worker.global_rank, where, waits)
+        stack = self._dump(worker)
+        return WorkerFailure(
+            rank=worker.global_rank,
+            local_rank=worker.local_rank,
+            node_rank=node_rank,
+            host=host,
+            pid=worker.id or 0,
+            how=f"stalled: no progress for {quiet:.0f} s (--stall-timeout {self.timeout_s:g})",
+            message=f"made no progress, last {where}",
+            traceback=[*stack, advice],
+            detected=time.time(),
+        )
+
+    def _dump(self, worker: Worker) -> list[str]:
+        """The worker's Python stack, as faulthandler writes it on DUMP_SIGNAL."""
+        path = stack_path(self.directory, worker.local_rank)
+        if not worker.id:
+            return ["(no stack: the worker's pid is unknown)"]
+        try:
+            os.kill(worker.id, DUMP_SIGNAL)
+        except ProcessLookupError:
+            return ["(no stack: the worker has exited)"]
+        deadline, size = time.monotonic() + DUMP_WAIT_S, -1
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = path.stat().st_size if path.exists() else 0
+            if now and now == size:
+                break
+            size = now
+        lines = _current_thread_first(path.read_text(errors="replace"))
+        if not lines:
+            return ["(no stack: the worker wrote none; was it started by lockstep's bootstrap?)"]
+        head = ["Python stack of every thread when the stall was detected (faulthandler):"]
+        return head + lines[:STACK_LINES] + (["..."] if len(lines) > STACK_LINES else [])
+
+    def _message(
+        self,
+        stuck: list[Worker],
+        records: dict[int, Record | None],
+        waits: dict[int, Record | None],
+        quiet: float,
+    ) -> str:
+        waiting = "; ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
+        if not stuck:
+            return (
+                f"no progress for {quiet:.0f} s on this node and every local rank waits in a "
+                f"collective ({waiting}): the stuck rank is on another node; see its log."
+            )
+        names = ", ".join(
+            f"rank {w.global_rank} (last {_where(records[w.local_rank])})" for w in stuck
+        )
+        return f"stalled: no progress for {quiet:.0f} s. Stuck: {names}. Waiting: {waiting}."
+
+
+def _current_thread_first(dump: str) -> list[str]:
+    """faulthandler's dump, the thread that took the signal (the main one) first."""
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            blocks.append([])
+        if line.strip() and blocks:
+            blocks[-1].append(line)
+    blocks.sort(key=lambda block: not block[0].startswith("Current thread"))
+    return [line for block in blocks for line in block]
+
+
+def _is_waiting(record: Record | None) -> bool:
+    return record is not None and record.phase == Phase.WAITING
+
+
+def _where(record: Record | None) -> str:
+    return record.describe() if record else "starting (no synchronised step yet)"
+
+
+def _waiter(
+    worker: Worker, record: Record | None, quiet: float, node_rank: int, host: str
+) -> WorkerFailure:
+    assert record is not None
+    return WorkerFailure(
+        rank=worker.global_rank,
+        local_rank=worker.local_rank,
+        node_rank=node_rank,
+        host=host,
+        pid=worker.id or 0,
+        how="stopped by the stall watch",
+        message=f"stalled: {record.describe()} for {quiet:.0f} s",
+        detected=time.time(),
+    )
+
+
+def _advice(rank: int, where: str, waits: dict[int, Record | None]) -> str:
+    waiting = ", ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
+    return (
+        f"rank {rank} stopped making progress ({where}) while the others waited for it: "
+        f"{waiting}. What to do: the stack above shows where rank {rank} is. A rank that "
+        "left the training loop early (it ran out of data, then saved a checkpoint or "
+        "exited) needs the same number of batches on every rank (lockstep.shard) or "
+        "Join; a rank blocked in I/O, a lock or a rank-only branch needs that fixed. "
+        "Raise --stall-timeout if a rank legitimately works alone longer (evaluation)."
+    )
