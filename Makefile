@@ -35,6 +35,7 @@ bench: install
 	$(BIN)/python benchmarks/engine_vs_torch.py
 	$(BIN)/python benchmarks/hook_cost.py
 	$(BIN)/python benchmarks/observe_cost.py
+	$(BIN)/python benchmarks/sharded_vs_ddp.py
 
 # 20 random worker kills and one lost launcher across two nodes (namespaces; root); not in `test`.
 soak: install

@@ -7,15 +7,18 @@ from lockstep.engine.ddp import DDP, DistributedDataParallel
 from lockstep.engine.naive import NaiveDataParallel
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
+from lockstep.sharded import FSDP, ShardedDataParallel
 
 __all__ = [
     "DDP",
+    "FSDP",
     "Checkpointer",
     "DistContext",
     "DistributedDataParallel",
     "LockstepError",
     "Monitor",
     "NaiveDataParallel",
+    "ShardedDataParallel",
     "ShardedSampler",
     "init",
     "shard",

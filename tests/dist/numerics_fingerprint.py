@@ -39,7 +39,9 @@ def _digest(result: dict) -> str:
             tensor = result[part][name]
             h.update(name.encode())
             if tensor is not None:
-                h.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(
+                    tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                )
     return h.hexdigest()[:16]
 
 

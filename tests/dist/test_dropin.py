@@ -3,8 +3,9 @@
 Every scenario of `dropin_scenarios.py` runs with both classes in the same ranks.
 World size 2: bitwise (sums of two numbers do not depend on order; 1/2 is exact).
 World size 4: the backend's reduction order depends on how buffers are cut, so
-agreement is to 1e-6 (float32); scenarios whose arithmetic is the same bucket for
-bucket are still bitwise there, but the tolerance is stated once for all.
+agreement is to 1e-6 (float32), and 1e-2 where gradients are summed in bfloat16
+(scenario mixed_precision_bf16_reduce); scenarios whose arithmetic is the same
+bucket for bucket are still bitwise there, but the tolerance is stated once for all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dropin_scenarios import SCENARIOS, run_all
 from lockstep.testing import run_ranks
 
 TOLERANCE = {2: 0.0, 4: 1e-6}
+# Sums in bfloat16 (8 bits of mantissa) whose order depends on how buffers are cut:
+# one rounding step of a gradient, times the learning rate, at world size 4.
+BF16_SUM_TOLERANCE = {2: 0.0, 4: 1e-2}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -47,7 +51,8 @@ def test_scenario_matches_torch(runs, name):
         assert "error" not in theirs, f"rank {rank} (torch): {theirs.get('error')}"
         ours = {k: v for k, v in ours.items() if k not in ("synced_steps", "warnings")}
         theirs = {k: v for k, v in theirs.items() if k not in ("synced_steps", "warnings")}
-        _same(ours, theirs, TOLERANCE[world], f"{name}@rank{rank}")
+        tol = (BF16_SUM_TOLERANCE if name == "mixed_precision_bf16_reduce" else TOLERANCE)[world]
+        _same(ours, theirs, tol, f"{name}@rank{rank}")
 
 
 def test_toggling_the_attribute_synchronises_once_per_step(runs):
@@ -59,7 +64,8 @@ def test_toggling_the_attribute_synchronises_once_per_step(runs):
 def test_create_graph_warns_once(runs):
     _, per_rank = runs
     for results in per_rank:
-        assert results[("create_graph", "lockstep")]["warnings"] <= 1
+        said = [results[(n, "lockstep")]["warnings"] for n in ("create_graph", "create_graph_views")]
+        assert sorted(said) == [0, 1]  # the first scenario in the process sees it, once
 
 
 def test_join_throw_raises_on_every_rank(runs):

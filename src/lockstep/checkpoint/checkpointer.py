@@ -21,11 +21,13 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.files import CheckpointFiles
+from lockstep.checkpoint.sharded import gather_for_save, load_sharded
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.context import group_context
 from lockstep.engine import progress
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
+from lockstep.sharded.engine import ShardedDataParallel
 
 
 def _coordination_group(
@@ -100,6 +102,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save() expected a step that is an int >= 0; found {step!r}")
         progress.note(progress.Phase.CHECKPOINT, step, label=f"Checkpointer.save(step={step})")
+        model, optimizer = gather_for_save(model, optimizer)  # every rank, for sharded models
         states = self._gather_rng()
         error = None
         if self.rank == 0:
@@ -190,7 +193,10 @@ class Checkpointer:
         try:
             if not payload:
                 payload.update(self.files.load(path, device, verify=False))
-            load_model(model, payload["model"], str(path))
+            if isinstance(model, ShardedDataParallel):
+                load_sharded(model, components.pop("optimizer"), payload, str(path))
+            else:
+                load_model(model, payload["model"], str(path))
             for name, component in components.items():
                 if component is not None:
                     load_component(component, payload.get(name), name, str(path))

@@ -73,7 +73,21 @@ def _memory_table(plan: Plan) -> list[str]:
         cells = "".join(f"{format_bytes(x):>11}" for x in (b.weights, b.grads, b.optimizer))
         fits = "yes" if row.fits else "no"
         lines.append(f"  {row.strategy.label:<15}{cells}{format_bytes(b.total):>11}   {fits}")
-    return lines
+    return [*lines, *_sharding_advice(plan)]
+
+
+def _sharding_advice(plan: Plan) -> list[str]:
+    """Where DDP does not fit: the first ShardedDataParallel stage that does."""
+    rows = plan.memory
+    if not rows or rows[0].fits:
+        return []
+    stage = next((i for i, row in enumerate(rows) if row.fits), None)
+    if stage is None:
+        return ["  advice: no strategy fits; add GPUs, or train fewer parameters (--lora-rank)"]
+    return [
+        f"  advice: DDP does not fit; lockstep.ShardedDataParallel(model, stage={stage}) "
+        f"({rows[stage].strategy.label}) does; see docs/sharding.md"
+    ]
 
 
 def _comm_table(plan: Plan) -> list[str]:

@@ -1,0 +1,236 @@
+"""`ShardedDataParallel`: ZeRO stages 1, 2 and 3 behind DDP's training loop.
+
+Wrapping checks the arguments and the parameters on every rank, broadcasts
+rank 0's state, groups the trainable parameters into units (`units.py`) and
+flattens each into a `FlatParam` whose shard is what `parameters()` yields, so
+an unchanged optimizer holds 1/N of the optimizer state. Each forward first
+all-gathers the shards the optimizer updated (stages 1 and 2) or schedules the
+per-unit gathers (stage 3, `gather.py`); backward reduces gradients (`sync.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.context import DistContext, group_context
+from lockstep.engine.bucketing import MB
+from lockstep.engine.checks import verify_same_parameters
+from lockstep.engine.replicas import broadcast_module
+from lockstep.sharded import optim_state
+from lockstep.sharded import state as sharded_state
+from lockstep.sharded.agreement import check_arguments
+from lockstep.sharded.clip import clip_grad_norm_
+from lockstep.sharded.collective import make_collective
+from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.gather import GatherScheduler, Unit
+from lockstep.sharded.sync import GradSync
+from lockstep.sharded.timeline import Timeline
+from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism with the optimizer state (1), gradients (2), weights (3) sharded.
+
+    Args:
+        module: the model; every rank builds the same one.
+        stage: 1, 2 or 3 (ZeRO's stages; 3 is what torch calls FSDP).
+        process_group: the group to shard over; the default group when None.
+        bucket_cap_mb: stages 1 and 2: cap of every bucket but the first, in MiB.
+        first_bucket_cap_mb: stages 1 and 2: cap of the first bucket, in MiB.
+        wrap: stage 3: module classes whose instances are gathered and freed as units.
+        prefetch: stage 3: start the next unit's all-gather before the current one runs.
+
+    Raises:
+        ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
+            nothing, or arguments that differ between ranks.
+        RankMismatchError: ranks hold different parameters (raised on every rank).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        first_bucket_cap_mb: float = 1,
+        wrap: Sequence[type] | None = None,
+        prefetch: bool = True,
+    ) -> None:
+        super().__init__()
+        self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
+        setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
+        check_arguments(module, setting, wrap, process_group)
+        self.module, self.stage, self.process_group = module, stage, process_group
+        self._sync_grads = True
+        self._params_stale = False
+        self._keys = list(module.state_dict().keys())
+        self._plain_index = {id(p): i for i, p in enumerate(module.parameters())}
+        trainable = collect_params(module)
+        verify_same_parameters([(s.names[0], s.param) for s in trainable], process_group)
+        broadcast_module(module, process_group)
+        if stage == 3:
+            specs = wrap_units(module, collect_params(module, trainable_only=False), wrap or [])
+        else:
+            specs = bucket_units(trainable, int(first_bucket_cap_mb * MB), int(bucket_cap_mb * MB))
+        self.flats, units = self._build_flats(specs)
+        self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
+        self.grad_sync = self._build_sync()
+        self.timeline: Timeline | None = None
+
+    def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
+        """One FlatParam per (unit, dtype, trainable); shards become this wrapper's parameters."""
+        flats: list[FlatParam] = []
+        units = []
+        for spec in specs:
+            by_dtype: dict[tuple[torch.dtype, bool], list] = {}
+            for slots in spec.params:
+                key = (slots.param.dtype, slots.param.requires_grad)
+                by_dtype.setdefault(key, []).append(slots)
+            unit_flats = []
+            for group in by_dtype.values():
+                flat = FlatParam(
+                    len(flats),
+                    spec.name,
+                    group,
+                    self.ctx.rank,
+                    self.ctx.world_size,
+                    self.process_group,
+                    keep_full=self.stage < 3,
+                )
+                flats.append(flat)
+                unit_flats.append(flat)
+            units.append(Unit(spec.name, spec.module, unit_flats))
+        # Registered under "shards" so parameters(), .to() and named_parameters() see them.
+        self.shards = nn.ParameterList([flat.shard for flat in flats])
+        return flats, units
+
+    def _build_scheduler(self, units: list[Unit], prefetch: bool) -> GatherScheduler:
+        root = next((u for u in units if u.module is None), None)
+        return GatherScheduler(root, [u for u in units if u.module is not None], prefetch)
+
+    def _build_sync(self) -> GradSync:
+        collective = make_collective(
+            self.stage, self.process_group, self.ctx.world_size, self.ctx.local_world_size
+        )
+        scheduler = self.scheduler
+        return GradSync(
+            [flat for flat in self.flats if flat.trainable],
+            collective,
+            self.ctx.rank,
+            keep_full_grad=self.stage == 1,
+            after_grad=(lambda flat: flat.free()) if scheduler else (lambda flat: None),
+            at_backward_end=self._at_backward_end,
+        )
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        span = self.timeline.begin("compute", "forward") if self.timeline else None
+        grad_sync = torch.is_grad_enabled() and self._sync_grads
+        if self.stage < 3:
+            self._refresh_full()
+            for flat in self.flats:
+                flat.use_views()
+        else:
+            assert self.scheduler is not None
+            self.scheduler.begin_forward()
+        output = self.module(*args, **kwargs)
+        if self.scheduler is not None:
+            self.scheduler.end_forward()
+        if torch.is_grad_enabled():
+            self.grad_sync.arm(grad_sync)
+        if self.timeline is not None and span is not None:
+            self.timeline.end(span)
+        return output
+
+    def _refresh_full(self) -> None:
+        """Stages 1 and 2, after a synchronised backward: all-gather the updated shards.
+
+        Stage 1's averaged gradient in `full.grad` has been consumed by then (the
+        optimizer read its shard), so it is dropped and the next backward starts afresh.
+        """
+        if not self._params_stale:
+            return
+        for flat in self.flats:
+            flat.full.grad = None
+        for handle in [flat.gather() for flat in self.flats]:
+            handle.wait()
+        self._params_stale = False
+
+    def _at_backward_end(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.free_all()
+        if self.grad_sync.launched:
+            self._params_stale = True
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        """Record forward, backward and every collective into `timeline` (None: stop)."""
+        self.timeline = self.grad_sync.timeline = timeline
+        for unit in self.scheduler.all_units() if self.scheduler else []:
+            unit.timeline = timeline
+
+    # ------------------------------------------------------------ user calls
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded) inside; the next synced backward reduces."""
+        previous = self._sync_grads
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the shards' gradients by the global norm over every rank's shards."""
+        return clip_grad_norm_(
+            [flat.shard for flat in self.flats], max_norm, norm_type, self.process_group
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The full state dict with the plain module's keys; every rank must call it."""
+        rest = self.module.state_dict()
+        return sharded_state.full_state_dict(self.flats, self._keys, rest)
+
+    def state_dict_keys(self) -> list[str]:
+        """The plain module's state-dict keys, in order (what `state_dict` returns)."""
+        return list(self._keys)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Any, strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a full state dict (from the plain module, DDP or this wrapper) into the shards."""
+        state = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        missing = [k for k in self._keys if k not in state]
+        unexpected = [k for k in state if k not in self._keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"ShardedDataParallel.load_state_dict expected the plain module's keys; "
+                f"missing {missing[:6]}, unexpected {unexpected[:6]} (rank {self.ctx.rank})"
+            )
+        sharded_state.load_flats(self.flats, state, self.ctx.rank)
+        entries = sharded_state.flat_entries(self.flats)
+        rest = {k: v for k, v in state.items() if k not in entries}
+        return self.module.load_state_dict(rest, strict=False)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s state as the plain model's per-parameter state dict (every rank)."""
+        return optim_state.gather_optimizer_state(optimizer, self.flats, self._plain_index)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+    ) -> None:
+        """Load a per-parameter optimizer state (ours, or a plain/DDP one), at any world size."""
+        optim_state.load_optimizer_state(
+            optimizer, self.flats, self._plain_index, saved, self.ctx.rank
+        )
+
+
+def FSDP(module: nn.Module, **kwargs: Any) -> ShardedDataParallel:
+    """Fully sharded data parallel: `ShardedDataParallel` with stage 3."""
+    return ShardedDataParallel(module, stage=3, **kwargs)
