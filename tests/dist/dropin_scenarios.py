@@ -255,13 +255,18 @@ def skip_unused(DDP, ctx):
 
 
 def delayed(DDP, ctx):
+    """The oracle is torch DDP without the delay: the same average (bitwise at N = 2).
+
+    torch's own delayed all-reduce is launched and never waited for, so on gloo the
+    optimizer may read the buffer before it is reduced: a race, not an oracle.
+    """
     model = built(MLP, perturb_rank=1)
     last = model.net[4]
-    ddp = DDP(
-        model,
-        delay_all_reduce_named_params=[("net.4.weight", last.weight), ("net.4.bias", last.bias)],
-        param_to_hook_all_reduce=model.net[0].weight,
-    )
+    delay = {
+        "delay_all_reduce_named_params": [("net.4.weight", last.weight), ("net.4.bias", last.bias)],
+        "param_to_hook_all_reduce": model.net[0].weight,
+    }
+    ddp = DDP(model, **delay) if DDP is not nn.parallel.DistributedDataParallel else DDP(model)
     train(ddp, model, batches(ctx, 3))
     return result(model)
 
