@@ -15,7 +15,6 @@ import time
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 from engine_models import MLP
 
@@ -23,8 +22,8 @@ import lockstep
 from lockstep.testing import run_ranks
 
 
-def _steps_in(path: Path, deadline_s: float = 20.0, want: int = 0) -> set[int]:
-    """The steps of a trace file once it holds `want` (polls the background writes)."""
+def _steps_in(path: Path, deadline_s: float, want: int | None = None) -> set[int]:
+    """The steps of a trace file once it holds `want`, or after `deadline_s` of polling."""
     deadline = time.monotonic() + deadline_s
     while True:
         steps = set()
@@ -54,7 +53,7 @@ def _rank(ctx, trace_dir):
     on = lockstep.DistributedDataParallel(MLP(), **caps)
     _train(on, 3)
     path = Path(trace_dir) / f"trace_rank{ctx.rank}.json"
-    result["background"] = _steps_in(path, want=3)  # no close, no exit: the thread wrote it
+    result["background"] = _steps_in(path, 20.0, want=3)  # no close, no exit: the thread wrote it
     result["buckets"] = len(on.stats.buckets)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -62,11 +61,11 @@ def _rank(ctx, trace_dir):
     result["warning"] = [str(w.message) for w in caught]
     _train(second, 2)
     second.env_tracer.close()
-    result["second"] = _steps_in(path)
+    result["second"] = _steps_in(path, 0.0)  # close() wrote it
     third = lockstep.DistributedDataParallel(MLP(), **caps)
     lockstep.Monitor(third, ctx, trace=False, straggler_every=0, progress=False).close()
     _train(third, 1)
-    result["after_off"] = _steps_in(path)
+    result["after_off"] = _steps_in(path, 1.0)  # 20 flush periods
     return result
 
 
