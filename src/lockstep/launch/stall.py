@@ -97,7 +97,7 @@ class StallWatch:
         node_rank: int,
         host: str,
     ) -> WorkerFailure:
-        where = record.describe() if record else "starting (no synchronised step yet)"
+        where = _where(record)
         advice = _advice(worker.global_rank, where, waits)
         stack = self._dump(worker)
         return WorkerFailure(
