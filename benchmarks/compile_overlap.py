@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
-from lockstep.engine.stats import StepStats
+from lockstep.runtime.step_stats import StepStats
 from lockstep.testing import run_ranks
 
 WAYS = ("eager", "inner", "outer", "blocks")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
 
 import lockstep
-from lockstep.engine.fingerprint import StepFingerprint
-from lockstep.engine.stats import ring_wire_bytes
+from lockstep.runtime.fingerprint import StepFingerprint
+from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.testing import run_ranks
 
 

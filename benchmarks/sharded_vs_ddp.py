@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, _Block, build
 
 import lockstep
-from lockstep.sharded.memory import measured_bytes, planned_bytes
+from lockstep.plan.measured import measured_bytes, planned_bytes
 from lockstep.testing import run_ranks
 
 ENGINES = ("ddp", "stage1", "stage2", "stage3", "fsdp2")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
-from lockstep.sharded.memory import measured_bytes, planned_bytes
+from lockstep.plan.measured import measured_bytes, planned_bytes
 
 
 class Block(nn.Module):

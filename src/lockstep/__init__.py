@@ -8,6 +8,7 @@ from lockstep.engine.naive import NaiveDataParallel
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
 from lockstep.sharded import FSDP, ShardedDataParallel
+from lockstep.trace_hook import attach_env_tracer  # noqa: F401  (LOCKSTEP_TRACE)
 
 __all__ = [
     "DDP",

@@ -17,7 +17,7 @@ from lockstep.engine.comm_hooks import (
     fp16_compress_hook,
 )
 from lockstep.engine.powersgd import PowerSGDState, powersgd_hook
-from lockstep.engine.stats import ring_wire_bytes
+from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.errors import UnusedParametersError
 from lockstep.testing import RankFailure, run_ranks
 

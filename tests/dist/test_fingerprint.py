@@ -167,7 +167,7 @@ def test_the_same_no_sync_on_every_rank_passes_and_ranks_agree():
 
 
 def _fingerprints(ctx, steps: list[int | None]) -> str:
-    from lockstep.engine.fingerprint import Fingerprint, StepFingerprint
+    from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint
 
     check = StepFingerprint(None, ctx.rank, ctx.world_size)
     step = steps[ctx.rank]

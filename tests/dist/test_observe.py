@@ -18,7 +18,7 @@ import torch
 from engine_models import MLP
 
 import lockstep
-from lockstep.engine.stats import ring_wire_bytes
+from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.observe import plot_timeline
 from lockstep.testing import run_ranks
 

@@ -2,7 +2,7 @@
 
 After a training step (before zero_grad, when weights, gradients and optimizer
 state are all held) each rank counts the bytes of the storages behind its
-parameters, gradients and AdamW state (`sharded/memory.py`), under DDP and each
+parameters, gradients and AdamW state (`plan/measured.py`), under DDP and each
 stage, and compares them with the planner's per-GPU figure for the same model,
 fp32, Adam and world size. Each of the three must be within 5%; the sharded
 ones must also really be about 1/N of DDP's, so the test fails if nothing is sharded.
@@ -15,7 +15,7 @@ import torch
 from sharded_cases import Block, build, global_batches, loss_of
 
 import lockstep
-from lockstep.sharded.memory import measured_bytes, planned_bytes
+from lockstep.plan.measured import measured_bytes, planned_bytes
 from lockstep.sharded.timeline import Timeline
 from lockstep.testing import run_ranks
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.elastic.agent.server.api import Worker
 
 import lockstep
-from lockstep.engine import progress, stall
-from lockstep.engine.progress import Phase, Progress
+from lockstep.runtime import progress, waits
+from lockstep.runtime.progress import Phase, Progress
 from lockstep.launch.stall import StallWatch
 from lockstep.testing import run_ranks
 
@@ -30,7 +30,7 @@ def _pause_rank1_at_step(ctx, pause_step: int, pause_s: float) -> tuple[str, lis
             time.sleep(pause_s)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step + 10 * ctx.rank))
         model(x).sum().backward()
-    return stall.inspector().last_message, [p.grad.clone() for p in model.parameters()]
+    return waits.inspector().last_message, [p.grad.clone() for p in model.parameters()]
 
 
 def test_a_waiting_rank_names_the_rank_that_has_not_launched_its_bucket():

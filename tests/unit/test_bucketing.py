@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.engine.bucketing import (
+from lockstep.runtime.bucketing import (
     MB,
     ParamSpec,
     assign_buckets,

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from lockstep.cli import main as cli_main
-from lockstep.engine.stats import BucketRecord, StepStats
 from lockstep.env import read_trace_dir
 from lockstep.observe import (
     ReplicaCheck,
@@ -32,6 +31,7 @@ from lockstep.observe import (
 )
 from lockstep.observe.logger import ConsoleLog, format_line
 from lockstep.observe.plot import read_losses
+from lockstep.runtime.step_stats import BucketRecord, StepStats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from lockstep.cli import main
-from lockstep.engine.stats import BucketRecord, StepStats
 from lockstep.observe.trace import TraceRecorder
+from lockstep.runtime.step_stats import BucketRecord, StepStats
 
 TINY = textwrap.dedent(
     """

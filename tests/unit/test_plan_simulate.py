@@ -13,8 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.engine.bucketing import assign_buckets, param_specs, trainable_parameters
-from lockstep.engine.stats import BucketRecord, StepStats
 from lockstep.observe.trace import TraceRecorder
 from lockstep.plan.comm import Topology, two_phase_seconds
 from lockstep.plan.links import NAMED_LINKS
@@ -24,6 +22,8 @@ from lockstep.plan.profile_trace import profile_from_trace
 from lockstep.plan.shape import LinearInfo
 from lockstep.plan.simulate import engine_buckets, finish_time, simulate
 from lockstep.plan.whatif import Route, lora_profile, predict
+from lockstep.runtime.bucketing import assign_buckets, param_specs, trainable_parameters
+from lockstep.runtime.step_stats import BucketRecord, StepStats
 
 CAPS = {"first_cap_bytes": 400, "cap_bytes": 400}
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from lockstep.cli import main as cli_main
-from lockstep.engine.stats import BucketRecord, StepStats
 from lockstep.env import read_trace_flush_s
 from lockstep.errors import EnvironmentConfigError
 from lockstep.observe import load_events
 from lockstep.observe.report import report_trace, trace_stragglers
 from lockstep.observe.straggler import analyze
 from lockstep.observe.trace import TraceRecorder, join_traces
+from lockstep.runtime.step_stats import BucketRecord, StepStats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LATE_S = 0.030  # rank `slow` has bucket 1 ready this much later than the others

@@ -24,9 +24,9 @@ from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.sharded import gather_for_save, load_sharded
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.context import group_context
-from lockstep.engine import progress
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
+from lockstep.runtime import progress
 from lockstep.sharded.engine import ShardedDataParallel
 
 

@@ -15,6 +15,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from lockstep.agreement import differing_ranks, gather_from_ranks
 from lockstep.collectives._p2p import Group, ReduceOp, Workspace
 from lockstep.collectives.allreduce import (
     all_reduce_halving_doubling,
@@ -142,9 +143,8 @@ def _spans_nodes(group: Group, local_world_size: int) -> bool:
 
 def _check_agreement(name: str, local_world_size: int, group: Group) -> None:
     """Exchange what each rank asked for; raise on every rank if they differ."""
-    asked: list[tuple[str, int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(asked, (name, local_world_size), group=group)
-    if len(set(asked)) > 1:
+    asked = gather_from_ranks((name, local_world_size), group)
+    if differing_ranks(asked):
         listing = ", ".join(f"rank {rank}: ({n!r}, {lws})" for rank, (n, lws) in enumerate(asked))
         raise RankMismatchError(
             "make_allreduce expects the same algorithm name and local_world_size on every "

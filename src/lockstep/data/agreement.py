@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from lockstep.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
 
 
@@ -18,9 +19,7 @@ def gather_statements(
     statement: dict[str, int | None], process_group: dist.ProcessGroup | None = None
 ) -> list[dict[str, int | None]]:
     """Every rank's `statement`, indexed by rank (the same list on every rank)."""
-    world_size = dist.get_world_size(process_group)
-    gathered: list[dict[str, int | None] | None] = [None] * world_size
-    dist.all_gather_object(gathered, statement, group=process_group)
+    gathered = gather_from_ranks(statement, process_group)
     return [dict(s or {}) for s in gathered]
 
 

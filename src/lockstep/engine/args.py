@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.bucketing import MB
-from lockstep.engine.transport import NATIVE
+from lockstep.runtime.bucketing import MB
+from lockstep.runtime.transport import NATIVE
 
 DEFAULT_CAP_MB = 25
 DEFAULT_FIRST_CAP_MB = 1

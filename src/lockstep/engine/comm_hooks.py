@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.bucket import GradBucket
+from lockstep.runtime.bucket import GradBucket
 
 
 @dataclass

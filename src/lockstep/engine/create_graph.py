@@ -11,22 +11,24 @@ stays local to each rank, as in torch; `warn_once` says so, once per process.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from lockstep.engine.reducer import Reducer
-    from lockstep.engine.step import StepState
+from lockstep.runtime.step import StepState
+
+MarkReady = Callable[[StepState, int, torch.Tensor], None]
 
 _WARNED = [False]
 
 
-def mark_keeping_graph(reducer: Reducer, step: StepState, index: int, param: torch.Tensor) -> None:
-    """`Reducer._mark_ready` for a gradient with a graph; the average is copied back later."""
+def mark_keeping_graph(
+    mark_ready: MarkReady, step: StepState, index: int, param: torch.Tensor
+) -> None:
+    """`mark_ready` for a gradient with a graph; the average is copied back later."""
     grad = param.grad
     with torch.no_grad():
-        reducer._mark_ready(step, index, param)
+        mark_ready(step, index, param)
     if grad is not None and param.grad is not grad:
         param.grad = grad
         step.copy_back.append(index)

@@ -32,23 +32,23 @@ from lockstep.engine.args import (
     ignore_for_model,
     managed_parameters,
 )
-from lockstep.engine.checks import verify_same_parameters
-from lockstep.engine.collective import (
+from lockstep.engine.delayed import DelayedAllReduce, build_delayed
+from lockstep.engine.figures import EngineFigures
+from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
+from lockstep.engine.reducer import Reducer
+from lockstep.engine.static_graph import StaticGraph
+from lockstep.engine.unused import unreachable_parameters
+from lockstep.runtime.bucket_collective import (
     AllReduceMean,
     BucketCollective,
     CommHook,
     CommHookCollective,
     SkipUnusedBuckets,
 )
-from lockstep.engine.delayed import DelayedAllReduce, build_delayed
-from lockstep.engine.figures import EngineFigures
-from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
-from lockstep.engine.reducer import Reducer
-from lockstep.engine.replicas import broadcast_tensors
-from lockstep.engine.static_graph import StaticGraph
-from lockstep.engine.transport import NATIVE, Transport
-from lockstep.engine.unused import unreachable_parameters
-from lockstep.observe.envtrace import attach_trace_from_env
+from lockstep.runtime.replicate import broadcast_tensors
+from lockstep.runtime.same_parameters import verify_same_parameters
+from lockstep.runtime.transport import NATIVE, Transport
+from lockstep.runtime.wrap_hooks import wrapped
 
 
 class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
@@ -114,7 +114,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self._build_runtime()
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(dist.get_global_rank(self.process_group, 0))
-        self.env_tracer = attach_trace_from_env(self)  # LOCKSTEP_TRACE; None when unset
+        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""
@@ -224,7 +224,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         super().__setstate__(state)
         Joinable.__init__(self)
         self._build_runtime()
-        self.env_tracer = attach_trace_from_env(self)
+        wrapped(self)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.replicas import broadcast_tensors
+from lockstep.runtime.replicate import broadcast_tensors
 
 if TYPE_CHECKING:
     from lockstep.engine.args import DDPArguments

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lockstep.engine.stats import StepStats
+from lockstep.runtime.step_stats import StepStats
 
 if TYPE_CHECKING:
     from lockstep.engine.reducer import Reducer, StepObserver

@@ -15,17 +15,33 @@ result equals torch DDP's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from lockstep.engine.bucket import Bucket
-from lockstep.engine.replicas import broadcast_tensors
+from lockstep.context import DistContext
+from lockstep.engine.reducer import Reducer
+from lockstep.runtime.bucket import Bucket
+from lockstep.runtime.replicate import broadcast_tensors
 
-if TYPE_CHECKING:
-    from lockstep.engine.ddp import DistributedDataParallel
+
+class JoinTarget(Protocol):
+    """What Join needs of the wrapper (`DistributedDataParallel` provides it)."""
+
+    ctx: DistContext
+    process_group: dist.ProcessGroup
+    reducer: Reducer
+    require_backward_grad_sync: bool
+    require_forward_param_sync: bool
+    forward_sync_buffers: bool
+    _divide_by_initial_world_size: bool
+    _join_announcement: Any
+
+    def will_sync_module_buffers(self) -> bool: ...
+    def _sync_buffers(self, src_rank: int) -> None: ...
+    def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]: ...
 
 
 class JoinableDDP(Joinable):
@@ -60,14 +76,14 @@ class JoinableDDP(Joinable):
         return self.process_group  # type: ignore[attr-defined]
 
 
-def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+def common_rank(ddp: JoinTarget, candidate: bool) -> int:
     """The highest group rank among the candidates (torch's rule for the model's owner)."""
     mine = torch.tensor([ddp.ctx.rank if candidate else -1], dtype=torch.int64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
     return int(mine.item())
 
 
-def before_forward(ddp: DistributedDataParallel) -> None:
+def before_forward(ddp: JoinTarget) -> None:
     """A rank with data: tell the Join context, and set this step's divisor if asked."""
     work = Join.notify_join_context(ddp)
     if work is None:
@@ -77,7 +93,7 @@ def before_forward(ddp: DistributedDataParallel) -> None:
         ddp.reducer.average_over(int(work.result()[0].item()))
 
 
-def announce_sync(ddp: DistributedDataParallel) -> None:
+def announce_sync(ddp: JoinTarget) -> None:
     """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
     flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0])
     ddp._join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
@@ -86,7 +102,7 @@ def announce_sync(ddp: DistributedDataParallel) -> None:
 class DDPJoinHook(JoinHook):
     """What a joined rank does for each step the others run, and once at the end."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: JoinTarget, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
 
@@ -115,7 +131,7 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.average_over(ddp.ctx.world_size)
 
 
-def shadow_backward(ddp: DistributedDataParallel) -> None:
+def shadow_backward(ddp: JoinTarget) -> None:
     """The collectives of one synchronised backward, with zeros, in the reducer's order."""
     reducer = ddp.reducer
     reducer.fingerprint.launch(None)

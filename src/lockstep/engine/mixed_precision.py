@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.distributed.utils import _cast_forward_inputs
 
-from lockstep.engine.bucket import Bucket
-from lockstep.engine.collective import Averaging
-from lockstep.engine.handles import CollectiveHandle
-from lockstep.engine.transport import Transport
+from lockstep.runtime.averaging import Averaging
+from lockstep.runtime.bucket import Bucket
+from lockstep.runtime.handles import CollectiveHandle
+from lockstep.runtime.transport import Transport
 
 
 class _Rounded:

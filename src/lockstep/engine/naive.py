@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.replicas import broadcast_module
+from lockstep.runtime.replicate import broadcast_module
 
 
 class NaiveDataParallel(nn.Module):

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.engine.bucket import GradBucket
 from lockstep.engine.comm_hooks import HookState
+from lockstep.runtime.bucket import GradBucket
 
 
 @dataclass

@@ -8,7 +8,7 @@ strictly in index order, so every rank issues the same collectives in the same
 order. The first hook of a backward queues `_finalize` on the autograd engine;
 it runs when autograd has no work left, waits for the collectives and leaves
 averaged gradients in `.grad`. A step's state lives in one `StepState`
-(`lockstep.engine.step`, which also tabulates the states). After the first
+(`lockstep.runtime.step`, which also tabulates the states). After the first
 synchronised step the buckets are rebuilt once, in the order gradients really
 became ready (rank 0's order, broadcast to all).
 """
@@ -22,17 +22,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lockstep.engine import stall
-from lockstep.engine.bucket import Bucket
-from lockstep.engine.bucketing import assign_buckets, param_specs
-from lockstep.engine.collective import Averaging, BucketCollective
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
-from lockstep.engine.data_passes import DataPasses
-from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
-from lockstep.engine.stats import StepMarks, StepStats, step_stats
-from lockstep.engine.step import StepState
-from lockstep.engine.step_errors import ready_twice, second_backward, unfinished
 from lockstep.errors import UnusedParametersError
+from lockstep.runtime import waits
+from lockstep.runtime.bucket import Bucket
+from lockstep.runtime.bucket_collective import Averaging, BucketCollective
+from lockstep.runtime.bucketing import assign_buckets, param_specs
+from lockstep.runtime.data_passes import DataPasses
+from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint, layout_hash
+from lockstep.runtime.step import StepState
+from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
+from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
 
 StepObserver = Callable[[StepStats], None]
 GradHook = Callable[[torch.Tensor], None]
@@ -43,7 +43,7 @@ class Reducer:
 
     Args:
         named_params: the trainable parameters, in registration order.
-        collective: what a complete bucket runs (`lockstep.engine.collective`).
+        collective: what a complete bucket runs (`lockstep.runtime.bucket_collective`).
         process_group: the replicas' group (rebuild broadcast, unused-parameter vote).
         rank: this process's rank in `process_group`, for messages.
         world_size: the number of replicas.
@@ -222,7 +222,7 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         self._mark = self._mark_ready
         if torch.is_grad_enabled():  # backward(create_graph=True): `engine/create_graph.py`
-            self._mark = partial(mark_keeping_graph, self)
+            self._mark = partial(mark_keeping_graph, self._mark_ready)
             warn_once()
         for unused in step.unused:
             self._mark(step, unused, self.params[unused])
@@ -276,7 +276,7 @@ class Reducer:
         assert step is not None
         for bucket in self.buckets[: step.next_bucket]:
             assert bucket.handle is not None
-            stall.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
+            waits.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
             bucket.times.done = bucket.handle.done_at
         self.fingerprint.check()
         if step.next_bucket < len(self.buckets):

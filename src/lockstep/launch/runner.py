@@ -27,7 +27,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from lockstep.engine import progress
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
 from lockstep.launch import group, tracing
@@ -39,6 +38,7 @@ from lockstep.launch.rendezvous import NodeInfo, build
 from lockstep.launch.report import summarize
 from lockstep.launch.stall import StallWatch
 from lockstep.launch.watchdog import Watchdog
+from lockstep.runtime import progress
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure

@@ -1,6 +1,6 @@
 """The launcher's progress watch: end a stalled run and blame the rank that stopped, not its peers.
 
-Workers note their step and phase in memory-mapped files (`lockstep.engine.progress`);
+Workers note their step and phase in memory-mapped files (`lockstep.runtime.progress`);
 the agent calls `StallWatch.check` at every look at its workers. When no local worker
 has progressed for `timeout_s` while at least one of them waits in a collective, the
 run is stalled: the workers that are not waiting are the stuck ones. Each gets
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import Worker
 
-from lockstep.engine import progress
-from lockstep.engine.progress import Phase, Record
 from lockstep.launch.group import WorkerFailure
+from lockstep.runtime import progress
+from lockstep.runtime.progress import Phase, Record
 
 DUMP_SIGNAL = signal.SIGUSR2
 STACK_LINES = 40

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.engine.stats import StepStats
 from lockstep.env import read_trace_dir, read_trace_flush_s
 from lockstep.observe.trace import TraceRecorder, rank_file
+from lockstep.runtime.step_stats import StepStats
 
 DEFAULT_STEPS = 100
 

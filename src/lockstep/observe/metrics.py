@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lockstep.engine.stats import StepStats
+from lockstep.runtime.step_stats import StepStats
 
 
 @dataclass(frozen=True)

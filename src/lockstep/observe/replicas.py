@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.agreement import gather_from_ranks
+
 
 def parameter_checksum(module: nn.Module) -> str:
     """SHA-256 of the module's state (names, dtypes, shapes and raw bytes), as hex."""
@@ -63,6 +65,5 @@ def check_replicas(
     mine = parameter_checksum(module)
     if not (dist.is_available() and dist.is_initialized()):
         return ReplicaCheck((mine,))
-    gathered: list[str | None] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, mine, group=process_group)
+    gathered = gather_from_ranks(mine, process_group)
     return ReplicaCheck(tuple(str(c) for c in gathered))

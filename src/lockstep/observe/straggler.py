@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.stats import StepStats
+from lockstep.runtime.step_stats import StepStats
 
 
 @dataclass(frozen=True)

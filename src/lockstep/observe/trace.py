@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lockstep.engine.stats import StepStats
 from lockstep.observe.metrics import StepMetrics
+from lockstep.runtime.step_stats import StepStats
 
 MERGED_NAME = "trace.json"
 COMPUTE_TID = 0

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.engine.bucketing import trainable_parameters
+from lockstep.runtime.bucketing import trainable_parameters
 
 
 @dataclass(frozen=True)

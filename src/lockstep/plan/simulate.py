@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.engine.bucketing import MB, ParamSpec, assign_buckets
 from lockstep.plan.profile import StepProfile
+from lockstep.runtime.bucketing import MB, ParamSpec, assign_buckets
 
 BucketSeconds = Callable[[int], float]
 

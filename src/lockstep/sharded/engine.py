@@ -19,16 +19,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.context import DistContext, group_context
-from lockstep.engine.bucketing import MB
-from lockstep.engine.checks import verify_same_parameters
-from lockstep.engine.replicas import broadcast_module
+from lockstep.runtime.bucketing import MB
+from lockstep.runtime.replicate import broadcast_module
+from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
-from lockstep.sharded.agreement import check_arguments
+from lockstep.sharded.arguments import check_arguments
 from lockstep.sharded.clip import clip_grad_norm_
-from lockstep.sharded.collective import make_collective
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
+from lockstep.sharded.reduce_scatter import make_collective
 from lockstep.sharded.sync import GradSync
 from lockstep.sharded.timeline import Timeline
 from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units

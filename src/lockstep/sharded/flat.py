@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.engine.handles import CollectiveHandle, WorkHandle
+from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.sharded.layout import flat_layout
 from lockstep.sharded.units import ParamSlots
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lockstep.engine.handles import CollectiveHandle
+from lockstep.runtime.handles import CollectiveHandle
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.timeline import Timeline
 

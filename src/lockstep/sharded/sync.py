@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from lockstep.engine.collective import BucketCollective
-from lockstep.engine.handles import CollectiveHandle
-from lockstep.sharded.collective import ShardBucket, bucket_of
+from lockstep.runtime.bucket_collective import BucketCollective
+from lockstep.runtime.handles import CollectiveHandle
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.reduce_scatter import ShardBucket, bucket_of
 from lockstep.sharded.timeline import Span, Timeline
 
 _run_at_end = torch.autograd.Variable._execution_engine.queue_callback

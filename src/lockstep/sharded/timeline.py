@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lockstep.engine.handles import CollectiveHandle
+from lockstep.runtime.handles import CollectiveHandle
 
 
 @dataclass

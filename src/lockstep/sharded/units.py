@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lockstep.engine.bucketing import assign_buckets, param_specs
+from lockstep.runtime.bucketing import assign_buckets, param_specs
 
 ROOT = ""
 

@@ -17,37 +17,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from lockstep.engine.bucket import Bucket, GradBucket
-from lockstep.engine.handles import CollectiveHandle, HookHandle
-from lockstep.engine.transport import Transport
+from lockstep.runtime.averaging import Averaging
+from lockstep.runtime.bucket import Bucket, GradBucket
+from lockstep.runtime.handles import CollectiveHandle, HookHandle
+from lockstep.runtime.transport import Transport
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
-
-
-@dataclass(frozen=True)
-class Averaging:
-    """How the engine divides a bucket's gradients by the world size before the sum.
-
-    A copied gradient is multiplied by `multiplier` while it is copied (one pass);
-    a gradient found in place (a bucket view) is divided by `divisor` with its
-    bucket. The multiplier is 1/N as a 0-dim tensor, float32 except for float64
-    buckets: the CPU kernels read it in the op's math type, as torch DDP's wrapped
-    double scalar, so the bits are torch's.
-    """
-
-    divisor: int
-    multiplier: torch.Tensor
-    copies_divided: bool = False  # batched_grad_copy: copies too are divided with the bucket
-
-    @classmethod
-    def for_dtype(cls, world_size: int, dtype: torch.dtype, batched: bool = False) -> Averaging:
-        scalar_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        return cls(world_size, torch.tensor(1.0 / world_size, dtype=scalar_dtype), batched)
 
 
 class BucketCollective(Protocol):

@@ -3,7 +3,7 @@
 Every synchronised step, when its backward starts and before any bucket is
 launched, each rank contributes three integers to one small asynchronous
 all-reduce: its count of synchronised steps, how many passes over its data have
-fed them (`lockstep.engine.data_passes`), how many micro-batches this step
+fed them (`lockstep.runtime.data_passes`), how many micro-batches this step
 accumulated (forwards under `no_sync()` plus one), and a hash of its bucket layout. The
 collective runs while backward computes and is checked when backward ends. For
 each value v a rank sends v and v*v, plus a 1 that counts the M ranks taking
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.engine import progress, stall
-from lockstep.engine.handles import WorkHandle
+from lockstep.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
+from lockstep.runtime import progress, waits
+from lockstep.runtime.handles import WorkHandle
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
 _LAYOUT_MOD = 1 << 20  # keeps v*v*N far inside int64
@@ -83,7 +84,7 @@ class StepFingerprint:
         if self._work is None:
             return
         work, self._work = self._work, None
-        stall.wait(WorkHandle(work), "step fingerprint", self._step, -1, self.group)
+        waits.wait(WorkHandle(work), "step fingerprint", self._step, -1, self.group)
         progress.note(progress.Phase.SYNCHRONISED, self._step)
         assert self._sums is not None
         n = len(FIELDS)
@@ -94,8 +95,7 @@ class StepFingerprint:
         raise self._mismatch(self._mine)
 
     def _mismatch(self, mine: Fingerprint | None) -> RankMismatchError:
-        everyone: list[Fingerprint | None] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
+        everyone = gather_from_ranks(mine, self.group)
         per_rank = "; ".join(
             f"rank {r}: step {f.step}, data pass {f.data_pass}, {f.micro_batches} micro-batch(es)"
             for r, f in enumerate(everyone)

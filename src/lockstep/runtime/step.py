@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lockstep.engine.fingerprint import Fingerprint
-from lockstep.engine.handles import CollectiveHandle
+from lockstep.runtime.fingerprint import Fingerprint
+from lockstep.runtime.handles import CollectiveHandle
 
 
 @dataclass

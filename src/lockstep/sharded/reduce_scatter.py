@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.bucket import Bucket
-from lockstep.engine.collective import AllReduceMean, Averaging, BucketCollective
-from lockstep.engine.handles import CollectiveHandle, WorkHandle
-from lockstep.engine.transport import NATIVE, Transport
+from lockstep.runtime.bucket import Bucket
+from lockstep.runtime.bucket_collective import AllReduceMean, Averaging, BucketCollective
+from lockstep.runtime.handles import CollectiveHandle, WorkHandle
+from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
 
 

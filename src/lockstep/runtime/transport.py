@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from lockstep.engine.handles import CollectiveHandle, ThreadHandle, WorkHandle
+from lockstep.runtime.handles import CollectiveHandle, ThreadHandle, WorkHandle
 
 NATIVE = "native"
 

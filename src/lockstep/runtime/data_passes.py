@@ -7,7 +7,7 @@ steps in silence. To see that, every DataLoader iterator gets a serial number
 when it starts a pass (its first batch, or `_reset` of a persistent one),
 and each batch it yields records that serial. The engine counts, per rank, how
 many different passes have fed its synchronised steps (`DataPasses.seen`); the
-step fingerprint (`lockstep.engine.fingerprint`) compares that count across
+step fingerprint (`lockstep.runtime.fingerprint`) compares that count across
 ranks. Installed once, when the first model is wrapped; a batch that does not
 come from a DataLoader leaves the count unchanged.
 """

@@ -5,7 +5,7 @@ the reducer copies (or, with gradient_as_bucket_view, finds) each gradient in
 its slice and counts down `pending`; when it reaches zero the bucket is
 complete and its collective may start. How gradients are scaled on the way in
 is the bucket's `averaging`, chosen once by the bucket collective
-(`lockstep.engine.collective`). `GradBucket` is the face a bucket shows to
+(`lockstep.runtime.bucket_collective`). `GradBucket` is the face a bucket shows to
 communication hooks, with the methods of torch's `dist.GradBucket`, so torch's
 own hooks run on this engine too.
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lockstep.engine.collective import Averaging
-    from lockstep.engine.handles import CollectiveHandle
+    from lockstep.runtime.averaging import Averaging
+    from lockstep.runtime.handles import CollectiveHandle
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.agreement import differing_ranks, gather_from_ranks
 from lockstep.sharded.units import wrapped_modules
 
 STAGES = (1, 2, 3)
@@ -63,21 +64,18 @@ def check_arguments(
         ValueError: naming the rank, what was expected and what was found.
     """
     mine = (local_problem(module, setting["stage"], wrap), setting)
-    world_size = dist.get_world_size(process_group)
-    gathered: list[tuple[str | None, dict[str, object]] | None] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=process_group)
+    gathered = gather_from_ranks(mine, process_group)
     here = dist.get_rank(process_group)
     for rank, entry in enumerate(gathered):
-        assert entry is not None
         if entry[0] is not None:
             raise ValueError(
                 f"ShardedDataParallel on rank {rank}: {entry[0]} (raised on rank {here})"
             )
-    reference = gathered[0][1]  # type: ignore[index]
-    differ = [r for r, e in enumerate(gathered) if e is not None and e[1] != reference]
+    reference = gathered[0][1]
+    differ = differing_ranks(gathered, lambda a, b: a[1] == b[1])
     if differ:
         raise ValueError(
             f"ShardedDataParallel expected every rank to pass rank 0's arguments {reference}; "
-            f"rank(s) {differ} passed {gathered[differ[0]][1]} (raised on rank {here}). "  # type: ignore[index]
+            f"rank(s) {differ} passed {gathered[differ[0]][1]} (raised on rank {here}). "
             "Build the wrapper with the same stage, wrap and bucket_cap_mb everywhere."
         )

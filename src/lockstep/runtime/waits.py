@@ -2,7 +2,7 @@
 
 `wait(handle, what, step, index, group)` is how the engine waits on a collective: a
 collective already finished costs one poll; otherwise the wait is noted in the
-progress record (`lockstep.engine.progress`) and the inspector thread watches it.
+progress record (`lockstep.runtime.progress`) and the inspector thread watches it.
 A wait longer than LOCKSTEP_STALL_WARN_S (default 30 s) is logged on this rank,
 and again every period, with the ranks that have not launched the same collective:
 each waiting rank posts what it waits on to the process group's store (only then,
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lockstep.engine import progress
-from lockstep.engine.handles import CollectiveHandle
+from lockstep.runtime import progress
+from lockstep.runtime.handles import CollectiveHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
 DEFAULT_WARN_S = 30.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lockstep.engine.bucket import Bucket
+    from lockstep.runtime.bucket import Bucket
 
 
 def ring_wire_bytes(payload_bytes: int, world_size: int) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep.agreement import differing_ranks, gather_from_ranks
 from lockstep.errors import RankMismatchError
 
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -46,18 +47,10 @@ def verify_same_parameters(
     Raises:
         RankMismatchError: naming the first differing parameter and the ranks that differ.
     """
-    mine = signature(named_params)
-    world_size = dist.get_world_size(process_group)
-    gathered: list[Signature | None] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=process_group)
-    reference = gathered[0]
-    assert reference is not None
-    differing = []
-    for rank, theirs in enumerate(gathered):
-        assert theirs is not None
-        diff = first_difference(reference, theirs)
-        if diff is not None:
-            differing.append((rank, diff))
+    gathered = gather_from_ranks(signature(named_params), process_group)
+    differing = [
+        (rank, first_difference(gathered[0], gathered[rank])) for rank in differing_ranks(gathered)
+    ]
     if differing:
         ranks = [rank for rank, _ in differing]
         first_rank, first_diff = differing[0]

@@ -1,0 +1,27 @@
+"""Callbacks run when an engine has wrapped a model: how upper layers attach to both engines.
+
+An engine calls `wrapped(model)` at the end of its constructor (and after
+unpickling); a layer above the engines registers what should happen then with
+`on_wrap`, so no engine imports that layer. `lockstep/trace_hook.py` registers
+the LOCKSTEP_TRACE tracer this way when `lockstep` is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+WrapCallback = Callable[[Any], None]
+_callbacks: list[WrapCallback] = []
+
+
+def on_wrap(callback: WrapCallback) -> None:
+    """Run `callback(model)` whenever an engine has wrapped a model (idempotent)."""
+    if callback not in _callbacks:
+        _callbacks.append(callback)
+
+
+def wrapped(model: Any) -> None:
+    """Called by an engine once its model is ready to train."""
+    for callback in _callbacks:
+        callback(model)
