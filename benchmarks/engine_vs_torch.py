@@ -62,7 +62,7 @@ class Runner:
         if kind in ("lockstep", "lockstep_nofp"):
             self.model = lockstep.DistributedDataParallel(self.model, process_group=group, **extra)
         if kind == "lockstep_nofp":  # a world of one makes the fingerprint a no-op
-            self.model.reducer.fingerprint = StepFingerprint(group, dist.get_rank(group), 1)
+            self.model.reducer.driver.fingerprint = StepFingerprint(group, dist.get_rank(group), 1)
         elif kind == "torch":
             self.model = nn.parallel.DistributedDataParallel(
                 self.model, process_group=group, gradient_as_bucket_view=True, **extra

@@ -80,7 +80,7 @@ def toggle_sync(DDP, ctx):
             ((ddp(xs) - ys) ** 2).mean().backward()
             flags.append(ddp.require_forward_param_sync)
         opt.step()
-    steps = ddp.reducer.steps if hasattr(ddp.reducer, "steps") else None
+    steps = getattr(getattr(ddp.reducer, "driver", None), "steps", None)
     return result(model, flags=flags, synced_steps=steps)
 
 

@@ -48,7 +48,7 @@ def _train(ddp, steps):
 def _rank(ctx, trace_dir):
     caps = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}
     off = lockstep.DistributedDataParallel(MLP(), **caps)
-    result = {"off": (off.env_tracer, list(off.reducer.observers))}
+    result = {"off": (off.env_tracer, list(off.reducer.driver.observers))}
     os.environ["LOCKSTEP_TRACE"] = trace_dir
     on = lockstep.DistributedDataParallel(MLP(), **caps)
     _train(on, 3)

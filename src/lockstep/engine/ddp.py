@@ -35,7 +35,7 @@ from lockstep.engine.args import (
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
 from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
-from lockstep.engine.reducer import Reducer
+from lockstep.engine.reducer import BucketCaps, Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
 from lockstep.runtime.bucket_collective import (
@@ -159,7 +159,6 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         args, ctx = self._args, self.ctx
         lws = args.local_world_size or ctx.local_world_size
         transport = Transport(self.process_group, args.allreduce, lws)
-        first_cap, cap, cap_list = args.caps_bytes()
         collective: BucketCollective = AllReduceMean(
             transport, ctx.world_size, args.batched_grad_copy
         )
@@ -174,9 +173,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             process_group=self.process_group,
             rank=ctx.rank,
             world_size=ctx.world_size,
-            first_cap_bytes=first_cap,
-            cap_bytes=cap,
-            cap_list=cap_list,
+            caps=BucketCaps(*args.caps_bytes()),
             find_unused=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view and mp is None,
             check_data_passes=args.check_data_passes,
@@ -193,7 +190,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         params = [p for _, p in self._named_state(buffers=False)]
         buffers = [b for b in self.module.buffers() if not getattr(b, "_ddp_ignored", False)]
         mp = MixedPrecision(self.mixed_precision, params, buffers)
-        self.reducer.observers.append(mp.after_step)
+        self.reducer.driver.end_of_step.append(mp.after_step)
         return mp
 
     def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
@@ -229,7 +226,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        self.reducer.check_previous_step()
+        self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
         grad_sync = grad_enabled and self.require_backward_grad_sync
         joining = self._join_config.enable
@@ -248,7 +245,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         output = self.module(*args, **kwargs)
         self.require_forward_param_sync = grad_sync
         if not grad_sync:
-            self.reducer.forward_without_sync(accumulating=grad_enabled)
+            self.reducer.driver.forward_without_sync(accumulating=grad_enabled)
         else:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
             if self._static is not None:
@@ -318,7 +315,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         if self.static_graph:
             warnings.warn("static_graph is already set; nothing to do.", stacklevel=2)
             return
-        if self.reducer.steps > 0 or self.reducer.step is not None:
+        if self.reducer.driver.steps > 0 or self.reducer.driver.step is not None:
             raise RuntimeError(
                 "_set_static_graph() should be called before training loop starts (before "
                 "the first forward); this wrapper has run already. Pass static_graph=True "

@@ -125,23 +125,23 @@ class DDPJoinHook(JoinHook):
         global_src = dist.get_global_rank(ddp.process_group, src)
         broadcast_tensors(tensors, src=global_src, process_group=ddp.process_group)
         # Step counts differ after uneven inputs; agree on one so later steps pair.
-        steps = torch.tensor([ddp.reducer.steps], dtype=torch.int64)
+        steps = torch.tensor([ddp.reducer.driver.steps], dtype=torch.int64)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        ddp.reducer.steps = int(steps.item())
+        ddp.reducer.driver.steps = int(steps.item())
         ddp.reducer.average_over(ddp.ctx.world_size)
 
 
 def shadow_backward(ddp: JoinTarget) -> None:
     """The collectives of one synchronised backward, with zeros, in the reducer's order."""
-    reducer = ddp.reducer
-    reducer.fingerprint.launch(None)
-    last = len(reducer.buckets) - 1
+    reducer, driver = ddp.reducer, ddp.reducer.driver
+    driver.fingerprint.launch(None)
+    last = len(driver.buckets) - 1
     handles = []
-    for i, bucket in enumerate(reducer.buckets):
+    for i, bucket in enumerate(driver.buckets):
         zeros = Bucket.build(bucket.index, bucket.params, bucket.param_indices, None)
-        handles.append(reducer.collective.launch(zeros, i == last))
+        handles.append(driver.collective.launch(zeros, i == last))
     for handle in handles:
         handle.wait()
-    reducer.fingerprint.check()
+    driver.fingerprint.check()
     if reducer.votes_unused():
         dist.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), group=reducer.group)

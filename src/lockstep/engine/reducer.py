@@ -1,45 +1,49 @@
-"""`Reducer`: the part of backward where data parallelism happens.
+"""The DDP engine's part of a backward: per-parameter hooks that fill the buckets.
 
-One post-accumulate-grad hook per parameter marks its gradient ready: the
-gradient goes into its slot of a bucket (copied, or found there already with
-gradient_as_bucket_view), scaled as the bucket collective decided. When a
-bucket's last gradient arrives the bucket is complete, and buckets are launched
-strictly in index order, so every rank issues the same collectives in the same
-order. The first hook of a backward queues `_finalize` on the autograd engine;
-it runs when autograd has no work left, waits for the collectives and leaves
-averaged gradients in `.grad`. A step's state lives in one `StepState`
-(`lockstep.runtime.step`, which also tabulates the states). After the first
-synchronised step the buckets are rebuilt once, in the order gradients really
-became ready (rank 0's order, broadcast to all).
+Every trainable parameter gets a post-accumulate-grad hook. In a synchronised
+backward the hook puts the gradient into its slot of a bucket (`BucketLayout`)
+and tells the `BackwardDriver` (`lockstep.runtime.driver`), which launches
+complete buckets in index order, waits, checks the fingerprint and records the
+step for both engines alike. What stays here is DDP's own: gradients copied or
+found in place, unused parameters (a graph walk or a vote), the one rebuild of
+the buckets in the order gradients really became ready (rank 0's order,
+broadcast to all), and `.grad` written back. Torch's modes (static graph,
+create_graph, Join) use the public calls `start`, `mark` and `replace_hooks`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
-from lockstep.errors import UnusedParametersError
-from lockstep.runtime import waits
+from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
-from lockstep.runtime.bucket_collective import Averaging, BucketCollective
+from lockstep.runtime.bucket_collective import BucketCollective
+from lockstep.runtime.bucket_layout import BucketLayout
 from lockstep.runtime.bucketing import assign_buckets, param_specs
-from lockstep.runtime.data_passes import DataPasses
-from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint, layout_hash
+from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
-from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
 
-StepObserver = Callable[[StepStats], None]
 GradHook = Callable[[torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class BucketCaps:
+    """Bucket caps in bytes: the first bucket's, the others', or one per bucket (a list)."""
+
+    first: int
+    rest: int
+    per_bucket: list[int] | None
+
+
 class Reducer:
-    """Buckets, hooks and the per-step state machine of gradient synchronisation.
+    """Buckets, hooks and `.grad` of the DDP engine; its `driver` runs the step.
 
     Args:
         named_params: the trainable parameters, in registration order.
@@ -47,12 +51,10 @@ class Reducer:
         process_group: the replicas' group (rebuild broadcast, unused-parameter vote).
         rank: this process's rank in `process_group`, for messages.
         world_size: the number of replicas.
-        first_cap_bytes: cap of the first bucket.
-        cap_bytes: cap of the others.
+        caps: the bucket caps.
         find_unused: tolerate parameters without a gradient (one extra vote per step).
         gradient_as_bucket_view: leave `.grad` pointing into the buckets.
         check_data_passes: include the pass over the data in the step fingerprint.
-        cap_list: per-bucket caps (torch's bucket_cap_mb_list), overriding the two caps.
     """
 
     def __init__(
@@ -63,74 +65,51 @@ class Reducer:
         process_group: dist.ProcessGroup | None,
         rank: int,
         world_size: int,
-        first_cap_bytes: int,
-        cap_bytes: int,
+        caps: BucketCaps,
         find_unused: bool,
         gradient_as_bucket_view: bool,
-        check_data_passes: bool = True,
-        cap_list: list[int] | None = None,
+        check_data_passes: bool,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.specs = param_specs(named_params)
-        self.collective = collective
-        self.group = process_group
-        self.rank, self.world_size = rank, world_size
-        self.first_cap_bytes, self.cap_bytes = first_cap_bytes, cap_bytes
-        self.cap_list = cap_list
+        self.group, self.rank, self.world_size = process_group, rank, world_size
+        self.caps = caps
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
-        self.observers: list[StepObserver] = []
-        self.steps = 0
-        self.last_stats: StepStats | None = None
-        self.step: StepState | None = None  # None outside a synchronised backward
-        self.fingerprint = StepFingerprint(process_group, rank, world_size)
-        self.data_passes = DataPasses() if check_data_passes else None
-        self._synced_graph_open = False  # a finalized step's graph may be backwarded again
-        self._micro_batches = 0  # forwards under no_sync() since the last synchronised one
+        self.driver = BackwardDriver(
+            self, collective, process_group, rank, world_size, check_data_passes
+        )
         self._rebuilt = False
         self._ready_order: list[int] = []
-        self._unfinished: str | None = None
         # Parameters whose hook fired since the last synchronised step (torch's local
         # used map: a micro-batch under no_sync() counts); only find_unused reads it.
         self._used_since_sync = [False] * len(self.params) if find_unused else None
-        self._mark = self._mark_ready  # or its no-grad form in a create_graph backward
+        self.mark = self._mark_ready  # or its no-grad form in a create_graph backward
         self.static = False  # static graph (`engine/static_graph.py`) installs its hooks
         self.static_unused: set[int] | None = None  # static graph: known after step 1
-        self._build(self._layout(None))
+        self._use_layout(self._groups(None))
         self._handles: list = []
         self.replace_hooks(self._hook_for)
 
     # ----------------------------------------------------------------- layout
-    def _layout(self, order: list[int] | None) -> list[list[int]]:
-        caps = {"first_cap_bytes": self.first_cap_bytes, "cap_bytes": self.cap_bytes}
-        return assign_buckets(self.specs, order, **caps, cap_list=self.cap_list)
+    def _groups(self, order: list[int] | None) -> list[list[int]]:
+        caps = self.caps
+        return assign_buckets(
+            self.specs, order, first_cap_bytes=caps.first, cap_bytes=caps.rest,
+            cap_list=caps.per_bucket,
+        )  # fmt: skip
 
-    def _build(self, layout: list[list[int]]) -> None:
-        """Allocate one bucket per group of `layout`; map each parameter to its slot."""
-        self.layout = layout
-        self.buckets = [
-            Bucket.build(
-                b,
-                [self.params[i] for i in idx],
-                idx,
-                self.collective.averaging(self.params[idx[0]].dtype),
-            )
-            for b, idx in enumerate(layout)
-        ]
-        slot = {i: (b, b.views[pos]) for b in self.buckets for pos, i in enumerate(b.param_indices)}
-        self._layout_hash = layout_hash(layout)
-        self._bucket_of = [slot[i][0] for i in range(len(self.params))]
-        self._view_of = [slot[i][1] for i in range(len(self.params))]
+    def _use_layout(self, groups: list[list[int]]) -> None:
+        """Allocate the buckets of `groups`; the driver launches them from now on."""
+        self.layout = BucketLayout(self.params, groups, self.driver.collective.averaging)
+        self.driver.use_buckets(self.layout.buckets, self.layout.hash)
         if self.grad_as_view:
-            self._move_grads_into_views()
+            self.layout.move_grads_into_views(self.params)
 
-    def _move_grads_into_views(self) -> None:
-        """Existing gradients move into their new slots, and `.grad` points there."""
-        for param, view in zip(self.params, self._view_of, strict=True):
-            if param.grad is not None:
-                view.copy_(param.grad)
-                param.grad = view
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.layout.buckets
 
     def replace_hooks(self, hook_for: Callable[[int], GradHook]) -> None:
         """Register `hook_for(i)` on parameter i, removing the hooks registered before."""
@@ -144,7 +123,7 @@ class Reducer:
     def average_over(self, count: int) -> None:
         """Divide this step's gradients by `count` ranks (Join: the ranks not yet joined)."""
         for bucket in self.buckets:
-            averaging = self.collective.averaging(bucket.buffer.dtype)
+            averaging = self.driver.collective.averaging(bucket.buffer.dtype)
             if averaging is not None and averaging.divisor != count:
                 averaging = Averaging.for_dtype(
                     count, bucket.buffer.dtype, averaging.copies_divided
@@ -153,7 +132,7 @@ class Reducer:
 
     def set_collective(self, collective: BucketCollective) -> None:
         """Use `collective` for every bucket from now on (a communication hook)."""
-        self.collective = collective
+        self.driver.collective = collective
         for bucket in self.buckets:
             bucket.averaging = collective.averaging(bucket.buffer.dtype)
 
@@ -165,44 +144,24 @@ class Reducer:
         if self.world_size > 1:
             src = dist.get_global_rank(self.group, 0) if self.group else 0
             dist.broadcast(order, src, group=self.group)
-        self._build(self._layout(order.tolist()))
+        self._use_layout(self._groups(order.tolist()))
         self._rebuilt = True
 
     # ------------------------------------------------------------ each step
-    def check_previous_step(self) -> None:
-        """Raise, before a forward, if the previous backward left buckets unreduced."""
-        if self._unfinished is not None:
-            message, self._unfinished = self._unfinished, None
-            raise UnusedParametersError(message)
-
     def arm(self, unused: list[int], forward_start: float, forward_end: float) -> None:
-        """State "armed": the next backward synchronises; `unused` are pre-marked ready."""
-        passes = self.data_passes.note_step() if self.data_passes is not None else 0
-        mine = Fingerprint(self.steps + 1, passes, self._micro_batches + 1, self._layout_hash)
-        self._micro_batches = 0
-        self.step = StepState.armed(len(self.params), unused, forward_start, forward_end, mine)
+        """The next backward synchronises; `unused` are pre-marked ready when it starts."""
+        step = self.driver.arm(len(self.params), unused, (forward_start, forward_end))
         if self._used_since_sync is not None:
-            self.step.used, self._used_since_sync = (
-                self._used_since_sync,
-                [False] * len(self.params),
-            )
-        self._synced_graph_open = False
-        for bucket in self.buckets:
-            bucket.reset()
+            step.used, self._used_since_sync = self._used_since_sync, [False] * len(self.params)
 
-    def forward_without_sync(self, accumulating: bool) -> None:
-        """A forward that will not synchronise closes the last step; under no_sync it counts."""
-        self._synced_graph_open = False
-        self._micro_batches += accumulating
-
-    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _hook_for(self, index: int) -> GradHook:
         def hook(param: torch.Tensor) -> None:
-            step = self.step
+            step = self.driver.step
             if step is not None:
                 if not step.started:
-                    self._start(step)
+                    self.start(step)
                 step.used[index] = True
-                self._mark(step, index, param)
+                self.mark(step, index, param)
             else:
                 self.outside_step(index)
 
@@ -210,25 +169,23 @@ class Reducer:
 
     def outside_step(self, index: int) -> None:
         """A hook outside a synchronised backward: note local use, refuse a second backward."""
-        if self._synced_graph_open:
+        if self.driver.graph_open:
             raise second_backward(self.names[index], self.rank)
         if self._used_since_sync is not None:
             self._used_since_sync[index] = True
 
-    def _start(self, step: StepState) -> None:
-        """State "started": queue finalize on autograd, pre-mark unused parameters."""
-        step.started = True
-        self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        self._mark = self._mark_ready
+    def start(self, step: StepState) -> None:
+        """Begin the armed step: the driver's start, then pre-mark the unused parameters."""
+        self.driver.start(step)
+        self.mark = self._mark_ready
         if torch.is_grad_enabled():  # backward(create_graph=True): `engine/create_graph.py`
-            self._mark = partial(mark_keeping_graph, self._mark_ready)
+            self.mark = partial(mark_keeping_graph, self._mark_ready)
             warn_once()
         for unused in step.unused:
-            self._mark(step, unused, self.params[unused])
+            self.mark(step, unused, self.params[unused])
 
     def _mark_ready(self, step: StepState, index: int, param: torch.Tensor) -> None:
-        """State "filling": the gradient into its slot; launch the bucket if it completed.
+        """The gradient into its slot; the driver launches the bucket once complete.
 
         The hot path (once per parameter per step), so it stays flat.
         """
@@ -237,8 +194,8 @@ class Reducer:
         step.marked[index] = True
         if not self._rebuilt:
             self._ready_order.append(index)
-        view = self._view_of[index]
-        bucket = self._bucket_of[index]
+        view = self.layout.view_of[index]
+        bucket = self.layout.bucket_of[index]
         grad = param.grad
         if grad is None:
             view.zero_()
@@ -249,49 +206,38 @@ class Reducer:
             bucket.copy_in(view, grad)
             if self.grad_as_view:
                 param.grad = view
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.times.ready = time.perf_counter()
-            self._launch_complete_buckets(step)
-        in_flight = step.in_flight
-        while in_flight and in_flight[0].poll():
-            in_flight.popleft()
+        self.driver.filled(step, bucket)
 
-    def _launch_complete_buckets(self, step: StepState) -> None:
-        last = len(self.buckets) - 1
-        while step.next_bucket <= last:
-            bucket = self.buckets[step.next_bucket]
-            if bucket.pending:
-                return
-            bucket.times.launched = time.perf_counter()
-            bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
-            step.in_flight.append(bucket.handle)
-            step.next_bucket += 1
+    # ------------------------------------------------- the driver's sink calls
+    def before_waits(self, step: StepState) -> None:
+        """Nothing to add: every bucket a hook completed is launched already."""
 
-    # ------------------------------------------------------------- finalize
-    def _finalize(self) -> None:
-        """State "finalized": wait, write `.grad`, record the step, drop its state."""
-        backward_end = time.perf_counter()
-        step, self.step = self.step, None
-        assert step is not None
-        for bucket in self.buckets[: step.next_bucket]:
-            assert bucket.handle is not None
-            waits.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
-            bucket.times.done = bucket.handle.done_at
-        self.fingerprint.check()
-        if step.next_bucket < len(self.buckets):
-            missing = [self.names[i] for i, done in enumerate(step.marked) if not done]
-            self._unfinished = unfinished(missing, self.rank)
+    def collected(self, bucket: Bucket) -> None:
+        """The result is in the bucket's buffer already; `.grad` is written at the end."""
+
+    def unfinished(self, step: StepState) -> str:
+        missing = [self.names[i] for i, done in enumerate(step.marked) if not done]
+        return unfinished(missing, self.rank)
+
+    def write_back(self, step: StepState) -> None:
+        """Leave the averaged gradients in `.grad`; a parameter no rank used keeps its own."""
+        globally_unused = self._globally_unused(step.used)
+        view_of = self.layout.view_of
+        for index in step.copy_back:  # gradients with a graph (create_graph=True)
+            self.params[index].grad.copy_(view_of[index])
+        if self.grad_as_view:
+            # Every gradient that reached its slot already points there.
+            for index in step.without_grad:
+                if index not in globally_unused:
+                    self.params[index].grad = view_of[index]
             return
-        self._write_back(step, self._globally_unused(step.used))
-        self.steps += 1
-        self._synced_graph_open = True
-        marks = StepMarks(step.forward_start, step.forward_end, backward_end, time.perf_counter())
-        self.last_stats = step_stats(
-            self.steps, self.world_size, self.buckets, marks, self.collective.sent_bytes()
-        )
-        for observe in self.observers:
-            observe(self.last_stats)
+        for index, param in enumerate(self.params):
+            if index in globally_unused:
+                continue
+            if param.grad is None:
+                param.grad = view_of[index].clone()
+            else:
+                param.grad.copy_(view_of[index])
 
     def votes_unused(self) -> bool:
         """Whether a step ends with the vote on used parameters (Join shadows it too)."""
@@ -308,22 +254,3 @@ class Reducer:
         if self.static:
             self.static_unused = unused
         return unused
-
-    def _write_back(self, step: StepState, globally_unused: set[int]) -> None:
-        """Leave the averaged gradients in `.grad`; a parameter no rank used keeps its own."""
-        for index in step.copy_back:  # gradients with a graph (create_graph=True)
-            self.params[index].grad.copy_(self._view_of[index])
-        if self.grad_as_view:
-            # Every gradient that reached its slot already points there.
-            for index in step.without_grad:
-                if index not in globally_unused:
-                    self.params[index].grad = self._view_of[index]
-            return
-        for index, param in enumerate(self.params):
-            if index in globally_unused:
-                continue
-            view = self._view_of[index]
-            if param.grad is None:
-                param.grad = view.clone()
-            else:
-                param.grad.copy_(view)

@@ -73,21 +73,21 @@ class StaticGraph:
     def start(self) -> None:
         """Begin the armed step (from the sink, or a hook that came first); once per step."""
         reducer = self.reducer
-        step = reducer.step
+        step = reducer.driver.step
         if step is None or step.started:
             return
         if self.expected is None:
-            # Queued before `_finalize` (queued by `_start`), so it runs first.
+            # Queued before the driver's `_finalize` (queued by `start`), so it runs first.
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
         else:
             self._remaining = list(self.expected)
-        reducer._start(step)
+        reducer.start(step)
 
     def _hook_for(self, index: int) -> GradHook:
         reducer = self.reducer
 
         def hook(param: torch.Tensor) -> None:
-            step = reducer.step
+            step = reducer.driver.step
             if step is None:
                 reducer.outside_step(index)
                 return
@@ -101,7 +101,7 @@ class StaticGraph:
                 return
             self._remaining[index] -= 1
             if self._remaining[index] == 0:
-                reducer._mark(step, index, param)
+                reducer.mark(step, index, param)
             elif self._remaining[index] < 0:
                 raise self._changed(index)
 
@@ -109,14 +109,14 @@ class StaticGraph:
 
     def _flush(self) -> None:
         """End of step one: every parameter ready, in the order gradients last arrived."""
-        step = self.reducer.step
+        step = self.reducer.driver.step
         assert step is not None
         self.expected = list(self._arrivals)
         order = sorted(
             range(len(self._last)), key=lambda i: (self._arrivals[i] == 0, self._last[i])
         )
         for index in order:
-            self.reducer._mark(step, index, self.reducer.params[index])
+            self.reducer.mark(step, index, self.reducer.params[index])
 
     def _changed(self, index: int) -> LockstepError:
         reducer = self.reducer

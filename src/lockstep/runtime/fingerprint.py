@@ -17,7 +17,6 @@ with the others.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +28,6 @@ from lockstep.runtime import progress, waits
 from lockstep.runtime.handles import WorkHandle
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
-_LAYOUT_MOD = 1 << 20  # keeps v*v*N far inside int64
-
-
-def layout_hash(layout: list[list[int]]) -> int:
-    """A small stable hash of the bucket layout (parameter indices per bucket)."""
-    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % _LAYOUT_MOD
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
 """`StepState`: everything one synchronised backward changes, in one place.
 
-A step goes through four named states, each the work of one `Reducer` method:
+A step goes through four named states, each the work of one `BackwardDriver`
+method (`runtime/driver.py`), for both engines:
 
 | state | entered by | what happens |
 |---|---|---|
-| armed | `Reducer.arm` (forward's end) | a fresh `StepState`; buckets reset |
-| started | `Reducer._start` (first hook) | `_finalize` queued; unused pre-marked |
-| filling | `Reducer._mark_ready` (each hook) | slots filled; buckets launched in order |
-| finalized | `Reducer._finalize` (autograd done) | waits, `.grad`, `StepStats`; state dropped |
+| armed | `BackwardDriver.arm` (forward's end) | a fresh `StepState`; buckets reset |
+| started | `BackwardDriver.start` (first hook) | fingerprint sent, `_finalize` queued |
+| filling | `BackwardDriver.filled` (each hook) | slots filled; buckets launched in order |
+| finalized | `BackwardDriver._finalize` (autograd done) | waits, results, `StepStats`; dropped |
 
-Outside a synchronised backward the reducer holds no `StepState` (its hooks do
-nothing), so nothing of one step can leak into the next.
+Outside a synchronised backward the driver holds no `StepState` (the engines'
+hooks do nothing), so nothing of one step can leak into the next.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.fingerprint import Fingerprint
-from lockstep.runtime.handles import CollectiveHandle
 
 
 @dataclass
@@ -37,7 +38,7 @@ class StepState:
         copy_back: parameters whose `.grad` carries a graph: the average is copied into it.
         started: the first hook has run and `_finalize` is queued.
         next_bucket: index of the next bucket to launch (launches go in index order).
-        in_flight: launched collectives not yet seen finished, oldest first.
+        in_flight: launched buckets whose collective is not yet seen finished, oldest first.
     """
 
     forward_start: float
@@ -50,7 +51,7 @@ class StepState:
     copy_back: list[int] = field(default_factory=list)
     started: bool = False
     next_bucket: int = 0
-    in_flight: deque[CollectiveHandle] = field(default_factory=deque)
+    in_flight: deque[Bucket] = field(default_factory=deque)
 
     @classmethod
     def armed(

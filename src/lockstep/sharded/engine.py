@@ -10,8 +10,8 @@ per-unit gathers (stage 3, `gather.py`); backward reduces gradients (`sync.py`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,8 +20,11 @@ from torch import nn
 
 from lockstep.context import DistContext, group_context
 from lockstep.runtime.bucketing import MB
+from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.replicate import broadcast_module
 from lockstep.runtime.same_parameters import verify_same_parameters
+from lockstep.runtime.step_figures import StepFigures, SyncToggle
+from lockstep.runtime.wrap_hooks import wrapped
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
 from lockstep.sharded.arguments import check_arguments
@@ -34,7 +37,7 @@ from lockstep.sharded.timeline import Timeline
 from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
     """Data parallelism with the optimizer state (1), gradients (2), weights (3) sharded.
 
     Args:
@@ -45,6 +48,7 @@ class ShardedDataParallel(nn.Module):
         first_bucket_cap_mb: stages 1 and 2: cap of the first bucket, in MiB.
         wrap: stage 3: module classes whose instances are gathered and freed as units.
         prefetch: stage 3: start the next unit's all-gather before the current one runs.
+        check_data_passes: the step fingerprint compares passes over the data (as DDP's).
 
     Raises:
         ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
@@ -62,13 +66,14 @@ class ShardedDataParallel(nn.Module):
         first_bucket_cap_mb: float = 1,
         wrap: Sequence[type] | None = None,
         prefetch: bool = True,
+        check_data_passes: bool = True,
     ) -> None:
         super().__init__()
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         check_arguments(module, setting, wrap, process_group)
         self.module, self.stage, self.process_group = module, stage, process_group
-        self._sync_grads = True
+        self.require_backward_grad_sync = True
         self._params_stale = False
         self._keys = list(module.state_dict().keys())
         self._plain_index = {id(p): i for i, p in enumerate(module.parameters())}
@@ -81,8 +86,14 @@ class ShardedDataParallel(nn.Module):
             specs = bucket_units(trainable, int(first_bucket_cap_mb * MB), int(bucket_cap_mb * MB))
         self.flats, units = self._build_flats(specs)
         self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
-        self.grad_sync = self._build_sync()
+        self.grad_sync = self._build_sync(check_data_passes)
         self.timeline: Timeline | None = None
+        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
+
+    @property
+    def step_driver(self) -> BackwardDriver:
+        """The shared backward driver (`runtime/driver.py`): fingerprint, waits, stats."""
+        return self.grad_sync.driver
 
     def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
         """One FlatParam per (unit, dtype, trainable); shards become this wrapper's parameters."""
@@ -115,24 +126,33 @@ class ShardedDataParallel(nn.Module):
         root = next((u for u in units if u.module is None), None)
         return GatherScheduler(root, [u for u in units if u.module is not None], prefetch)
 
-    def _build_sync(self) -> GradSync:
+    def _build_sync(self, check_data_passes: bool) -> GradSync:
+        ctx = self.ctx
         collective = make_collective(
-            self.stage, self.process_group, self.ctx.world_size, self.ctx.local_world_size
+            self.stage, self.process_group, ctx.world_size, ctx.local_world_size
         )
-        scheduler = self.scheduler
+        trainable = [flat for flat in self.flats if flat.trainable]
+        if self.stage == 3:  # the last unit's gradient is ready first
+            trainable.reverse()
         return GradSync(
-            [flat for flat in self.flats if flat.trainable],
+            trainable,
             collective,
-            self.ctx.rank,
+            self.process_group,
+            ctx.rank,
+            ctx.world_size,
             keep_full_grad=self.stage == 1,
-            after_grad=(lambda flat: flat.free()) if scheduler else (lambda flat: None),
+            after_grad=(lambda flat: flat.free()) if self.scheduler else (lambda flat: None),
             at_backward_end=self._at_backward_end,
+            check_data_passes=check_data_passes,
         )
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         span = self.timeline.begin("compute", "forward") if self.timeline else None
-        grad_sync = torch.is_grad_enabled() and self._sync_grads
+        driver = self.grad_sync.driver
+        driver.check_previous_step()
+        grad_enabled = torch.is_grad_enabled()
         if self.stage < 3:
             self._refresh_full()
             for flat in self.flats:
@@ -143,8 +163,10 @@ class ShardedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         if self.scheduler is not None:
             self.scheduler.end_forward()
-        if torch.is_grad_enabled():
-            self.grad_sync.arm(grad_sync)
+        if grad_enabled and self.require_backward_grad_sync:
+            self.grad_sync.arm(start, time.perf_counter())
+        else:
+            driver.forward_without_sync(accumulating=grad_enabled)
         if self.timeline is not None and span is not None:
             self.timeline.end(span)
         return output
@@ -163,29 +185,20 @@ class ShardedDataParallel(nn.Module):
             handle.wait()
         self._params_stale = False
 
-    def _at_backward_end(self) -> None:
+    def _at_backward_end(self, synchronised: bool) -> None:
         if self.scheduler is not None:
             self.scheduler.free_all()
-        if self.grad_sync.launched:
+        if synchronised:
             self._params_stale = True
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record forward, backward and every collective into `timeline` (None: stop)."""
-        self.timeline = self.grad_sync.timeline = timeline
+        self.timeline = timeline
+        self.grad_sync.record_into(timeline)
         for unit in self.scheduler.all_units() if self.scheduler else []:
             unit.timeline = timeline
 
     # ------------------------------------------------------------ user calls
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (unsharded) inside; the next synced backward reduces."""
-        previous = self._sync_grads
-        self._sync_grads = False
-        try:
-            yield
-        finally:
-            self._sync_grads = previous
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the global norm over every rank's shards."""
         return clip_grad_norm_(

@@ -1,6 +1,6 @@
 """The bucket collectives of the sharded engine: all-reduce (stage 1), reduce-scatter (2, 3).
 
-Both follow the engine's `BucketCollective` protocol (`engine/collective.py`):
+Both follow the `BucketCollective` protocol (`runtime/bucket_collective.py`):
 the 1/N rule is decided once, by `Averaging`, and a complete bucket is handed
 to `launch`. Stage 1 reuses DDP's `AllReduceMean` as is (every rank gets the
 whole averaged gradient and keeps its slice); `ReduceScatterMean` sums and
@@ -20,12 +20,28 @@ from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
 
+_EMPTY = torch.empty(0)
+
 
 @dataclass
 class ShardBucket(Bucket):
-    """A bucket whose reduced result for this rank lands in `shard_grad`."""
+    """One flat's bucket: its buffer is the step's `full.grad`; this rank's result `shard_grad`.
+
+    Built once per flat; `fill_bucket` points it at the step's gradient and
+    `release` lets go of it once the result is taken, so no full gradient
+    outlives its collective.
+    """
 
     shard_grad: torch.Tensor | None = None
+    scatters: bool = True  # reduce-scatter (stages 2, 3); all-reduce and slice (stage 1)
+    flat_nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat_nbytes
+
+    def release(self) -> None:
+        self.buffer, self.views, self.shard_grad, self.found_in_place = _EMPTY, [], None, []
 
 
 class ReduceScatterMean:
@@ -59,17 +75,24 @@ def make_collective(
     return ReduceScatterMean(process_group, world_size)
 
 
-def bucket_of(flat: FlatParam, collective: BucketCollective, rank: int) -> ShardBucket:
-    """A bucket over `flat.full.grad` (found in place, so the engine divides it by N)."""
+def shard_bucket(position: int, flat: FlatParam, collective: BucketCollective) -> ShardBucket:
+    """The bucket of `flat`, at `position` in launch order; empty until `fill_bucket`."""
+    averaging = collective.averaging(flat.full.dtype)
+    scatters = isinstance(collective, ReduceScatterMean)
+    return ShardBucket(
+        position, [flat.shard], [flat.index], _EMPTY, [], averaging,
+        scatters=scatters, flat_nbytes=flat.nbytes,
+    )  # fmt: skip
+
+
+def fill_bucket(bucket: ShardBucket, flat: FlatParam, rank: int) -> None:
+    """Point `bucket` at `flat.full.grad` (found in place, so the engine divides it by N)."""
     grad = flat.full.grad
     assert grad is not None
-    bucket = ShardBucket(
-        flat.index, [flat.shard], [flat.index], grad, [grad], collective.averaging(grad.dtype)
-    )
+    bucket.buffer, bucket.views = grad, [grad]
     bucket.found(grad)
-    if isinstance(collective, ReduceScatterMean):
+    if bucket.scatters:
         bucket.shard_grad = torch.empty_like(flat.shard)
     else:
         start, end = flat.layout.shard_range(rank)
         bucket.shard_grad = grad[start:end]
-    return bucket

@@ -1,120 +1,182 @@
-"""Gradient synchronisation of the sharded engine, driven by backward.
+"""Gradient synchronisation of the sharded engine: its part of the shared backward driver.
 
 Each flat's `full` gets one post-accumulate-grad hook. In a synchronised
-backward the first hook queues `_end_backward` on the autograd engine; each
-hook launches its flat's collective at once (every rank runs the same graph, so
-the same collectives in the same order), and finished ones are collected while
-backward goes on. `_end_backward` launches zeros for flats that got no gradient
-(in index order on every rank), waits for the rest and leaves this rank's
-averaged shard in `shard.grad` (added to what is there, as `.grad` accumulates).
+backward the hook hands the flat's gradient to its bucket (`ShardBucket`) and
+tells the `BackwardDriver` (`lockstep.runtime.driver`), which launches buckets
+strictly in launch order, waits with stall reports, checks the step
+fingerprint, and records `StepStats` for observers, exactly as for DDP. Launch
+order is the order gradients are expected: the flats' order for stages 1 and 2
+(DDP's buckets), the reverse for stage 3 (the last unit's gradient comes first).
+When autograd is done, flats that got no gradient are filled with zeros (every
+rank launches the same collectives); a finished result is added to `shard.grad`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
+from lockstep.runtime.bucket_layout import layout_hash
+from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.handles import CollectiveHandle
+from lockstep.runtime.step import StepState
 from lockstep.sharded.flat import FlatParam
-from lockstep.sharded.reduce_scatter import ShardBucket, bucket_of
+from lockstep.sharded.reduce_scatter import ShardBucket, fill_bucket, shard_bucket
 from lockstep.sharded.timeline import Span, Timeline
 
 _run_at_end = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class GradSync:
-    """Launches and collects the flats' gradient collectives during backward.
+    """The flats' hooks and buckets; `driver` runs the synchronised steps.
 
     Args:
-        flats: every flat of the model, in index order.
+        flats: the trainable flats, in launch order.
         collective: the bucket collective of the stage.
+        process_group: the group the shards are spread over (None: the default group).
         rank: this rank in the group.
+        world_size: the group's size.
         keep_full_grad: stage 1: `full.grad` holds the averaged gradient until the next
-            forward; otherwise it is dropped as soon as its collective has finished.
+            forward; otherwise it is dropped as soon as it is in its bucket.
         after_grad: called with a flat once its gradient is taken (stage 3 frees it).
-        at_backward_end: called at the end of every backward, synchronised or not.
+        at_backward_end: called at the end of every backward with whether it synchronised.
+        check_data_passes: include the pass over the data in the step fingerprint.
     """
 
     def __init__(
         self,
         flats: list[FlatParam],
         collective: BucketCollective,
+        process_group: dist.ProcessGroup | None,
         rank: int,
+        world_size: int,
         keep_full_grad: bool,
         after_grad: Callable[[FlatParam], None],
-        at_backward_end: Callable[[], None],
+        at_backward_end: Callable[[bool], None],
+        check_data_passes: bool,
     ) -> None:
-        self.flats, self.collective, self.rank = flats, collective, rank
+        self.flats, self.rank = flats, rank
         self.keep_full_grad = keep_full_grad
         self.after_grad, self.at_backward_end = after_grad, at_backward_end
-        self.syncing = False
-        self.queued = False
-        self.launched: set[int] = set()
-        self.in_flight: deque[tuple[CollectiveHandle, FlatParam, ShardBucket]] = deque()
+        self.driver = BackwardDriver(
+            self, collective, process_group, rank, world_size, check_data_passes
+        )
+        self.buckets = [shard_bucket(pos, flat, collective) for pos, flat in enumerate(flats)]
+        self.driver.use_buckets(self.buckets, layout_hash([[f.index] for f in flats]))
         self.timeline: Timeline | None = None
         self._backward_span: Span | None = None
-        for flat in flats:
-            flat.full.register_post_accumulate_grad_hook(self._hook_for(flat))
+        self._local_end_queued = False
+        for pos, flat in enumerate(flats):
+            flat.full.register_post_accumulate_grad_hook(self._hook_for(pos))
 
-    def arm(self, syncing: bool) -> None:
-        """Called at the end of forward: the coming backward synchronises or accumulates."""
-        self.syncing = syncing
-        self.launched = set()
+    def arm(self, forward_start: float, forward_end: float) -> None:
+        """The coming backward synchronises (called at the end of a synchronised forward)."""
+        self.driver.arm(len(self.flats), [], (forward_start, forward_end))
 
-    def _hook_for(self, flat: FlatParam) -> Callable[[torch.Tensor], None]:
+    def record_into(self, timeline: Timeline | None) -> None:
+        """Record backward and each gradient collective into `timeline` (None: stop)."""
+        self.timeline = timeline
+        collective = self.driver.collective
+        inner = collective.inner if isinstance(collective, _Recorded) else collective
+        labels = [flat.unit for flat in self.flats]
+        self.driver.collective = inner if timeline is None else _Recorded(inner, timeline, labels)
+
+    def _hook_for(self, pos: int) -> Callable[[torch.Tensor], None]:
+        flat = self.flats[pos]
+
         def hook(_: torch.Tensor) -> None:
-            if not self.queued:
-                self.queued = True
-                _run_at_end(self._end_backward)
-                if self.timeline is not None:
-                    self._backward_span = self.timeline.begin("compute", "backward")
-            if self.syncing and flat.index not in self.launched:
-                self._launch(flat)
-                self._collect(block=False)
+            step = self.driver.step
+            if step is None:
+                self._local_backward()
+            elif not step.marked[pos]:
+                if not step.started:
+                    self._begin_span()
+                    self.driver.start(step)
+                self._fill(step, pos)
             self.after_grad(flat)
 
         return hook
 
-    def _launch(self, flat: FlatParam) -> None:
-        self.launched.add(flat.index)
-        bucket = bucket_of(flat, self.collective, self.rank)
-        start = time.perf_counter()
-        handle = self.collective.launch(bucket, is_last=len(self.launched) == len(self.flats))
-        if self.timeline is not None:
-            self.timeline.collective("reduce", flat.unit, handle, start)
-        self.in_flight.append((handle, flat, bucket))
+    def _fill(self, step: StepState, pos: int) -> None:
+        step.marked[pos] = True
+        flat = self.flats[pos]
+        bucket = self.buckets[pos]
+        fill_bucket(bucket, flat, self.rank)
         if not self.keep_full_grad:
             flat.full.grad = None  # the bucket keeps it until the collective is done
+        self.driver.filled(step, bucket)
 
-    def _collect(self, block: bool) -> None:
-        """Move finished results into `shard.grad`, oldest first."""
-        while self.in_flight and (block or self.in_flight[0][0].poll()):
-            handle, flat, bucket = self.in_flight.popleft()
-            handle.wait()
-            result = bucket.shard_grad
-            assert result is not None
-            if flat.shard.grad is None:
-                flat.shard.grad = result
-            else:
-                flat.shard.grad.add_(result)
+    def _local_backward(self) -> None:
+        """A backward that accumulates locally: only the end-of-backward work, once."""
+        if not self._local_end_queued:
+            self._local_end_queued = True
+            self._begin_span()
+            _run_at_end(self._end_local_backward)
 
-    def _end_backward(self) -> None:
-        self.queued = False
-        if self.timeline is not None and self._backward_span is not None:
-            self.timeline.end(self._backward_span)
-        if self.syncing:
-            for flat in self.flats:
-                if flat.index not in self.launched:
-                    flat.full.grad = torch.zeros_like(
-                        flat.full, memory_format=torch.contiguous_format
-                    )
-                    self._launch(flat)
-            self._collect(block=True)
-            self.syncing = False
-        self.at_backward_end()
+    def _end_local_backward(self) -> None:
+        self._local_end_queued = False
+        self._end_span()
+        self.at_backward_end(False)
         if self.timeline is not None:
             self.timeline.poll()
+
+    def _begin_span(self) -> None:
+        if self.timeline is not None:
+            self._backward_span = self.timeline.begin("compute", "backward")
+
+    def _end_span(self) -> None:
+        if self.timeline is not None and self._backward_span is not None:
+            self.timeline.end(self._backward_span)
+        self._backward_span = None
+
+    # ------------------------------------------------- the driver's sink calls
+    def before_waits(self, step: StepState) -> None:
+        """Zeros for the flats no hook filled, so every rank launches every bucket."""
+        self._end_span()
+        for pos, flat in enumerate(self.flats):
+            if not step.marked[pos]:
+                flat.full.grad = torch.zeros_like(flat.full, memory_format=torch.contiguous_format)
+                self._fill(step, pos)
+
+    def collected(self, bucket: Bucket) -> None:
+        """This rank's averaged shard into `shard.grad` (added: `.grad` accumulates)."""
+        assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
+        shard = self.flats[bucket.index].shard
+        if shard.grad is None:
+            shard.grad = bucket.shard_grad
+        else:
+            shard.grad.add_(bucket.shard_grad)
+        bucket.release()
+
+    def unfinished(self, step: StepState) -> str:  # every bucket is launched by before_waits
+        raise AssertionError(f"rank {self.rank}: a sharded step left buckets unlaunched")
+
+    def write_back(self, step: StepState) -> None:
+        """The results are in `shard.grad` already; end the backward."""
+        self.at_backward_end(True)
+        if self.timeline is not None:
+            self.timeline.poll()
+
+
+class _Recorded:
+    """A bucket collective whose launches are recorded as spans of a `Timeline`."""
+
+    def __init__(self, inner: BucketCollective, timeline: Timeline, labels: list[str]) -> None:
+        self.inner, self.timeline, self.labels = inner, timeline, labels
+
+    def averaging(self, dtype: torch.dtype):
+        return self.inner.averaging(dtype)
+
+    def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
+        start = time.perf_counter()
+        handle = self.inner.launch(bucket, is_last)
+        self.timeline.collective("reduce", self.labels[bucket.index], handle, start)
+        return handle
+
+    def sent_bytes(self) -> int | None:
+        return self.inner.sent_bytes()
