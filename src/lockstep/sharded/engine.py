@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.context import DistContext, group_context
+from lockstep.runtime import waits
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.replicate import broadcast_module
@@ -159,7 +160,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
                 flat.use_views()
         else:
             assert self.scheduler is not None
-            self.scheduler.begin_forward()
+            self.scheduler.begin_forward(driver.steps + 1)
         output = self.module(*args, **kwargs)
         if self.scheduler is not None:
             self.scheduler.end_forward()
@@ -181,8 +182,10 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             return
         for flat in self.flats:
             flat.full.grad = None
-        for handle in [flat.gather() for flat in self.flats]:
-            handle.wait()
+        step = self.step_driver.steps + 1
+        for flat, handle in [(flat, flat.gather()) for flat in self.flats]:
+            what = f"parameter all-gather {flat.index} before step"
+            waits.wait(handle, what, step, -1, self.process_group)
         self._params_stale = False
 
     def _at_backward_end(self, synchronised: bool) -> None:

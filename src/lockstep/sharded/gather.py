@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from lockstep.runtime import waits
 from lockstep.runtime.handles import CollectiveHandle
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.timeline import Timeline
@@ -31,6 +32,7 @@ class Unit:
         self.pending: list[CollectiveHandle] = []
         self.viewed = False
         self.timeline: Timeline | None = None
+        self.step = 1  # the synchronised step these gathers serve, for stall reports
 
     def start_gather(self) -> None:
         """Start the all-gathers of the flats that are not gathered (a prefetch)."""
@@ -46,20 +48,23 @@ class Unit:
         self.start_gather()
         if self.timeline is not None:
             self.timeline.poll()
-        for handle in self.pending:
-            handle.wait()
-        self.pending = []
+        self._wait_pending()
         if not self.viewed:
             for flat in self.flats:
                 flat.use_views()
             self.viewed = True
 
     def free(self) -> None:
-        for handle in self.pending:
-            handle.wait()
-        self.pending = []
+        self._wait_pending()
         for flat in self.flats:
             flat.free()
+
+    def _wait_pending(self) -> None:
+        """Wait for the unit's all-gathers; a long wait is reported (`runtime/waits.py`)."""
+        group = self.flats[0].process_group if self.flats else None
+        for handle in self.pending:
+            waits.wait(handle, f"all-gather of unit {self.name!r} in step", self.step, -1, group)
+        self.pending = []
 
 
 class GatherScheduler:
@@ -80,11 +85,12 @@ class GatherScheduler:
             unit.module.register_forward_pre_hook(self._pre_forward_for(unit))
             unit.module.register_forward_hook(self._post_forward_for(unit))
 
-    def begin_forward(self) -> None:
-        """The wrapper's forward begins: a new step; gather the root, prefetch the first unit."""
+    def begin_forward(self, step: int) -> None:
+        """The wrapper's forward of `step` begins: gather the root, prefetch the first unit."""
         self._seen = []
         for unit in self.all_units():
             unit.viewed = False
+            unit.step = step
         if self.root is not None:
             self.root.ensure_gathered()
         if self.prefetch and self.order:
