@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
-from torch.utils._pytree import tree_map
 
 from lockstep.compiler import keep_out_of_graphs
 from lockstep.context import DistContext, group_context
@@ -32,26 +30,21 @@ from lockstep.engine.args import (
     ignore_for_model,
     managed_parameters,
 )
+from lockstep.engine.buffers import BufferSync
+from lockstep.engine.build import build_mixed_precision, build_reducer, with_skip
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
-from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
-from lockstep.engine.reducer import BucketCaps, Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
-from lockstep.runtime.bucket_collective import (
-    AllReduceMean,
-    BucketCollective,
-    CommHook,
-    CommHookCollective,
-    SkipUnusedBuckets,
-)
+from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
 from lockstep.runtime.same_parameters import verify_same_parameters
-from lockstep.runtime.transport import NATIVE, Transport
+from lockstep.runtime.step_figures import SyncToggle
+from lockstep.runtime.transport import NATIVE
 from lockstep.runtime.wrap_hooks import wrapped
 
 
-class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
+class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, BufferSync, SyncToggle):
     """Data-parallel wrapper with torch DDP's arguments, attributes and semantics.
 
     The arguments are torch 2.13's, in its positional order, then lockstep's
@@ -130,13 +123,13 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self.static_graph = False
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._divide_by_initial_world_size = True
+        self.divide_by_initial_world_size = True
 
     def _build_replicas(self) -> None:
         """Check that every rank holds the same parameters, then copy rank 0's state."""
         group = self._args.group
         verify_same_parameters(managed_parameters(self.module, self.parameters_to_ignore), group)
-        state = self._named_state(buffers=self._args.init_buffers)
+        state = self.named_state(buffers=self._args.init_buffers)
         src = dist.get_global_rank(group, 0)
         broadcast_tensors([t for _, t in state], src=src, process_group=group)
 
@@ -146,54 +139,17 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self.process_group = self._args.group
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
-        self.reducer = self._build_reducer(named)
+        self.reducer = build_reducer(self._args, self.ctx, named)
         self._delayed: DelayedAllReduce | None = build_delayed(
             self._args, self.process_group, self.ctx.world_size
         )
-        self._mp = self._build_mixed_precision()
+        params = [p for _, p in self.named_state(buffers=False)]
+        self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()
 
-    def _build_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
-        args, ctx = self._args, self.ctx
-        lws = args.local_world_size or ctx.local_world_size
-        transport = Transport(self.process_group, args.allreduce, lws)
-        collective: BucketCollective = AllReduceMean(
-            transport, ctx.world_size, args.batched_grad_copy
-        )
-        mp = args.mixed_precision
-        if mp is not None:  # gradients in param_dtype cannot be views of full buckets
-            collective = MixedPrecisionReduce(
-                transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
-            )
-        return Reducer(
-            named,
-            self._with_skip(collective),
-            process_group=self.process_group,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            caps=BucketCaps(*args.caps_bytes()),
-            find_unused=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view and mp is None,
-            check_data_passes=args.check_data_passes,
-        )
-
-    def _with_skip(self, collective: BucketCollective) -> BucketCollective:
-        if self._args.skip_all_reduce_unused_params:
-            return SkipUnusedBuckets(collective)
-        return collective
-
-    def _build_mixed_precision(self) -> MixedPrecision | None:
-        if self.mixed_precision is None:
-            return None
-        params = [p for _, p in self._named_state(buffers=False)]
-        buffers = [b for b in self.module.buffers() if not getattr(b, "_ddp_ignored", False)]
-        mp = MixedPrecision(self.mixed_precision, params, buffers)
-        self.reducer.driver.end_of_step.append(mp.after_step)
-        return mp
-
-    def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    def named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
         """Parameters (and buffers) not ignored, each tensor once."""
         named = list(self.module.named_parameters())
         if buffers:
@@ -212,7 +168,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
             state.pop(key, None)
         state.pop("env_tracer", None)  # a tracer belongs to a process
-        state.pop("_join_announcement", None)
+        state.pop("join_announcement", None)
         state["_args"] = self._args.without_groups()
         return state
 
@@ -229,30 +185,35 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
         grad_sync = grad_enabled and self.require_backward_grad_sync
+        args, kwargs = self._pre_forward(grad_enabled, args, kwargs)
+        output = self.module(*args, **kwargs)
+        self.require_forward_param_sync = grad_sync
+        if grad_sync:
+            self.reducer.arm(self._unused(output), start, time.perf_counter())
+            if self._static is not None:
+                output = self._static.wrap_output(output)
+        else:
+            self.reducer.driver.forward_without_sync(accumulating=grad_enabled)
+        if self._delayed is not None:
+            self._delayed.point_grads_at_buffer()
+        return output
+
+    def _pre_forward(self, grad_enabled: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Join's notices, the one rebuild, buffers from their owner, inputs moved and cast."""
         joining = self._join_config.enable
         if joining:
             join.before_forward(self)
         if grad_enabled:
             self.reducer.rebuild_if_needed()
         if self.will_sync_module_buffers():
-            self._sync_buffers(join.common_rank(self, True) if joining else 0)
+            self.sync_buffers(join.common_rank(self, True) if joining else 0)
         if joining:
             join.announce_sync(self)
         if self.device_ids:
-            args, kwargs = self._to_device((args, kwargs))
+            args, kwargs = self.to_device((args, kwargs))
         if self._mp is not None:
             args, kwargs = self._mp.before_forward(args, kwargs)
-        output = self.module(*args, **kwargs)
-        self.require_forward_param_sync = grad_sync
-        if not grad_sync:
-            self.reducer.driver.forward_without_sync(accumulating=grad_enabled)
-        else:
-            self.reducer.arm(self._unused(output), start, time.perf_counter())
-            if self._static is not None:
-                output = self._static.wrap_output(output)
-        if self._delayed is not None:
-            self._delayed.point_grads_at_buffer()
-        return output
+        return args, kwargs
 
     def _unused(self, output: Any) -> list[int]:
         """Parameters this backward will not reach (pre-marked ready when it starts)."""
@@ -262,54 +223,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             return unreachable_parameters(output, self.reducer.params)
         return []
 
-    def _sync_buffers(self, src_rank: int) -> None:
-        """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
-        buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
-        if buffers and self.ctx.world_size > 1:
-            src = dist.get_global_rank(self.process_group, src_rank)
-            broadcast_tensors(buffers, src=src, process_group=self.process_group)
-
-    def _to_device(self, tree: Any) -> Any:
-        assert self.device_ids is not None
-        device = self.device_ids[0]
-        device = torch.device("cuda", device) if isinstance(device, int) else device
-        return tree_map(
-            lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x,
-            tree,
-        )
-
     # ------------------------------------------------------------ user calls
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's older name for `forward_sync_buffers`."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: forward and backward inside skip the all-reduce.
-
-        The same switch as `require_backward_grad_sync = False`; the next forward-backward
-        outside the context reduces the accumulated sum.
-        """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts buffers (torch's rule)."""
-        return (
-            self.require_forward_param_sync
-            and self.forward_sync_buffers
-            and any(True for _ in self.module.buffers())
-        )
-
     def _set_static_graph(self) -> None:
         """Declare the graph static (torch's private call; prefer `static_graph=True`)."""
         if self.static_graph:
@@ -339,7 +253,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
                 "register_comm_hook can only be called once; a hook is already registered"
             )
         self._hooked = True
-        self.reducer.set_collective(self._with_skip(CommHookCollective(hook, state)))
+        self.reducer.set_collective(with_skip(self._args, CommHookCollective(hook, state)))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""

@@ -36,12 +36,12 @@ class JoinTarget(Protocol):
     require_backward_grad_sync: bool
     require_forward_param_sync: bool
     forward_sync_buffers: bool
-    _divide_by_initial_world_size: bool
-    _join_announcement: Any
+    divide_by_initial_world_size: bool
+    join_announcement: Any
 
     def will_sync_module_buffers(self) -> bool: ...
-    def _sync_buffers(self, src_rank: int) -> None: ...
-    def _named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]: ...
+    def sync_buffers(self, src_rank: int) -> None: ...
+    def named_state(self, buffers: bool) -> list[tuple[str, torch.Tensor]]: ...
 
 
 class JoinableDDP(Joinable):
@@ -88,7 +88,7 @@ def before_forward(ddp: JoinTarget) -> None:
     work = Join.notify_join_context(ddp)
     if work is None:
         return
-    if not ddp._divide_by_initial_world_size:
+    if not ddp.divide_by_initial_world_size:
         work.wait()
         ddp.reducer.average_over(int(work.result()[0].item()))
 
@@ -96,7 +96,7 @@ def before_forward(ddp: JoinTarget) -> None:
 def announce_sync(ddp: JoinTarget) -> None:
     """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
     flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0])
-    ddp._join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    ddp.join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
 
 
 class DDPJoinHook(JoinHook):
@@ -104,13 +104,13 @@ class DDPJoinHook(JoinHook):
 
     def __init__(self, ddp: JoinTarget, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp.reducer.rebuild_if_needed()
         if ddp.will_sync_module_buffers():
-            ddp._sync_buffers(src_rank=common_rank(ddp, candidate=False))
+            ddp.sync_buffers(src_rank=common_rank(ddp, candidate=False))
         flag = torch.zeros(1)
         dist.all_reduce(flag, group=ddp.process_group)
         will_sync = bool(flag.item())
@@ -121,7 +121,7 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = common_rank(ddp, candidate=is_last_joiner)
-        tensors = [p for _, p in ddp._named_state(buffers=ddp.forward_sync_buffers)]
+        tensors = [p for _, p in ddp.named_state(buffers=ddp.forward_sync_buffers)]
         global_src = dist.get_global_rank(ddp.process_group, src)
         broadcast_tensors(tensors, src=global_src, process_group=ddp.process_group)
         # Step counts differ after uneven inputs; agree on one so later steps pair.

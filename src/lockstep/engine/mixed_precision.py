@@ -99,7 +99,7 @@ class MixedPrecision:
                     param.grad.data = param.grad.to(self.dtype)
         return _cast_forward_inputs(self.dtype, *args, **kwargs)
 
-    def after_step(self, _stats: object = None) -> None:
+    def after_step(self) -> None:
         """The synchronised step is over: full-precision data back, gradients upcast."""
         for i, param in enumerate(self.params):
             full = self._full[i]
