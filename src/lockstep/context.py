@@ -43,6 +43,8 @@ class DistContext:
         backend: the torch.distributed backend ("gloo" or "nccl").
         device: the device this process computes on.
         restart_count: how many times the launcher restarted the group so far.
+        group_ranks: for a context of a process group (`group_context`), the job-wide rank
+            of each member, indexed by group rank; empty when the group is the whole job.
     """
 
     rank: int
@@ -53,11 +55,16 @@ class DistContext:
     backend: str
     device: torch.device
     restart_count: int = 0
+    group_ranks: tuple[int, ...] = ()
 
     @property
     def is_main(self) -> bool:
         """True on rank 0, the rank that logs and writes checkpoints."""
         return self.rank == 0
+
+    def global_rank(self, group_rank: int) -> int:
+        """The job-wide rank of this group's member `group_rank` (the one mapping to use)."""
+        return self.group_ranks[group_rank] if self.group_ranks else group_rank
 
     @property
     def num_nodes(self) -> int:
@@ -220,7 +227,15 @@ def group_context(
         backend=dist.get_backend(process_group),
         device=_group_device(process_group),
         restart_count=launch.restart_count,
+        group_ranks=_members(process_group),
     )
+
+
+def _members(process_group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """Global ranks of the group's members, or () when it is the default group."""
+    if process_group is None or process_group == dist.group.WORLD:
+        return ()
+    return tuple(dist.get_process_group_ranks(process_group))
 
 
 def _group_device(process_group: dist.ProcessGroup | None) -> torch.device:

@@ -51,7 +51,7 @@ class BufferSync:
         """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
         buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
         if buffers and self.ctx.world_size > 1:
-            src = dist.get_global_rank(self.process_group, src_rank)
+            src = self.ctx.global_rank(src_rank)
             broadcast_tensors(buffers, src=src, process_group=self.process_group)
 
     def to_device(self, tree: Any) -> Any:

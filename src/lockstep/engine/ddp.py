@@ -106,7 +106,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             self._build_replicas()
         self._build_runtime()
         if self._delayed is not None:  # as torch: whatever init_sync says
-            self._delayed.broadcast_from(dist.get_global_rank(self.process_group, 0))
+            self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
@@ -130,7 +130,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         group = self._args.group
         verify_same_parameters(managed_parameters(self.module, self.parameters_to_ignore), group)
         state = self.named_state(buffers=self._args.init_buffers)
-        src = dist.get_global_rank(group, 0)
+        src = group_context(group, "DistributedDataParallel").global_rank(0)
         broadcast_tensors([t for _, t in state], src=src, process_group=group)
 
     def _build_runtime(self) -> None:

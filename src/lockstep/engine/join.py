@@ -122,8 +122,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         src = common_rank(ddp, candidate=is_last_joiner)
         tensors = [p for _, p in ddp.named_state(buffers=ddp.forward_sync_buffers)]
-        global_src = dist.get_global_rank(ddp.process_group, src)
-        broadcast_tensors(tensors, src=global_src, process_group=ddp.process_group)
+        broadcast_tensors(tensors, src=ddp.ctx.global_rank(src), process_group=ddp.process_group)
         # Step counts differ after uneven inputs; agree on one so later steps pair.
         steps = torch.tensor([ddp.reducer.driver.steps], dtype=torch.int64)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)

@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.context import group_context
 from lockstep.runtime.replicate import broadcast_module
 
 
@@ -29,7 +30,8 @@ class NaiveDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.process_group = process_group
-        broadcast_module(module, process_group)
+        ctx = group_context(process_group, "NaiveDataParallel")
+        broadcast_module(module, ctx.global_rank(0), process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lockstep.context import DistContext
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
@@ -49,8 +50,7 @@ class Reducer:
         named_params: the trainable parameters, in registration order.
         collective: what a complete bucket runs (`lockstep.runtime.bucket_collective`).
         process_group: the replicas' group (rebuild broadcast, unused-parameter vote).
-        rank: this process's rank in `process_group`, for messages.
-        world_size: the number of replicas.
+        ctx: this process's place in `process_group` (rank, world size, global ranks).
         caps: the bucket caps.
         find_unused: tolerate parameters without a gradient (one extra vote per step).
         gradient_as_bucket_view: leave `.grad` pointing into the buckets.
@@ -63,8 +63,7 @@ class Reducer:
         collective: BucketCollective,
         *,
         process_group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
+        ctx: DistContext,
         caps: BucketCaps,
         find_unused: bool,
         gradient_as_bucket_view: bool,
@@ -73,12 +72,13 @@ class Reducer:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.specs = param_specs(named_params)
-        self.group, self.rank, self.world_size = process_group, rank, world_size
+        self.group, self.rank, self.world_size = process_group, ctx.rank, ctx.world_size
+        self.root = ctx.global_rank(0)  # the source of the rebuilt order
         self.caps = caps
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
         self.driver = BackwardDriver(
-            self, collective, process_group, rank, world_size, check_data_passes
+            self, collective, process_group, ctx.rank, ctx.world_size, check_data_passes
         )
         self._rebuilt = False
         self._ready_order: list[int] = []
@@ -142,8 +142,7 @@ class Reducer:
             return
         order = torch.tensor(self._ready_order, dtype=torch.int64)
         if self.world_size > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group else 0
-            dist.broadcast(order, src, group=self.group)
+            dist.broadcast(order, self.root, group=self.group)
         self._use_layout(self._groups(order.tolist()))
         self._rebuilt = True
 

@@ -108,7 +108,7 @@ class Monitor:
         self._build_sinks(log_dir, tensorboard, total_steps, start_step, progress, stream)
         self._env_tracer: Any = None
         self.trace = self._build_trace(trace, trace_steps)
-        self.watch = StragglerWatch(self.group, ctx.device, ctx.world_size)
+        self.watch = StragglerWatch(self.group, self.ctx.device, self.ctx.world_size)
 
     # ---------------------------------------------------------------- build
     def _build_optimizer_hooks(self, optimizer: torch.optim.Optimizer | None) -> list[Any]:

@@ -59,7 +59,6 @@ def module_state(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def broadcast_module(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
-    """Copy rank 0's parameters and buffers into every rank's `module`."""
-    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+def broadcast_module(module: nn.Module, src: int, process_group: dist.ProcessGroup | None) -> None:
+    """Copy global rank `src`'s parameters and buffers into every rank's `module`."""
     broadcast_tensors(module_state(module), src=src, process_group=process_group)

@@ -80,7 +80,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self._plain_index = {id(p): i for i, p in enumerate(module.parameters())}
         trainable = collect_params(module)
         verify_same_parameters([(s.names[0], s.param) for s in trainable], process_group)
-        broadcast_module(module, process_group)
+        broadcast_module(module, self.ctx.global_rank(0), process_group)
         if stage == 3:
             specs = wrap_units(module, collect_params(module, trainable_only=False), wrap or [])
         else:
