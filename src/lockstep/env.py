@@ -217,23 +217,33 @@ def read_trace_dir(env: Mapping[str, str] | None = None) -> str | None:
 
 
 def read_trace_flush_s(env: Mapping[str, str] | None = None) -> float:
-    """Seconds between writes of the LOCKSTEP_TRACE file: LOCKSTEP_TRACE_FLUSH_S, else 5.
+    """Seconds between writes of the LOCKSTEP_TRACE file: LOCKSTEP_TRACE_FLUSH_S, else 5."""
+    return read_seconds(TRACE_FLUSH_VARIABLE, DEFAULT_TRACE_FLUSH_S, env)
+
+
+def read_seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """Variable `name` as a positive number of seconds, else `default`.
 
     Raises:
         EnvironmentConfigError: the value is not a positive number.
     """
     env = os.environ if env is None else env
-    raw = env.get(TRACE_FLUSH_VARIABLE) or str(DEFAULT_TRACE_FLUSH_S)
+    raw = env.get(name) or str(default)
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < 1e6:
         raise EnvironmentConfigError(
-            f"environment variable {TRACE_FLUSH_VARIABLE}={raw!r} is not a positive number "
-            "of seconds; expected for example 5. Fix or unset it."
+            f"environment variable {name}={raw!r} is not a positive number of seconds; "
+            f"expected for example {default:g}. Fix or unset it."
         )
     return seconds
+
+
+def read_variable(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A variable a launcher hands its workers as is (a file or folder path), or None."""
+    return (os.environ if env is None else env).get(name) or None
 
 
 def read_slurm_nodes(env: Mapping[str, str] | None = None) -> dict[str, str | int] | None:

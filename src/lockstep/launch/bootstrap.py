@@ -26,6 +26,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from lockstep.env import read_variable
+
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # engine.progress reads it too
 _PR_SET_PDEATHSIG = 1
@@ -57,7 +59,7 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 def record(exc: BaseException) -> str:
     """Write the exception where the elastic agent reads it (its JSON layout); return the text."""
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-    path = os.environ.get(ERROR_FILE_VARIABLE)
+    path = read_variable(ERROR_FILE_VARIABLE)
     if path:
         data = {
             "message": {
@@ -100,7 +102,7 @@ def main(argv: list[str]) -> None:
         _exit_now(exit_.code if isinstance(exit_.code, int) else 1)
     except BaseException as exc:
         text = record(exc)
-        rank = os.environ.get("RANK", "?")
+        rank = read_variable("RANK") or "?"
         sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
         _exit_now(1)
     _leave_groups()
@@ -112,10 +114,10 @@ _stack_file: Any = None  # kept open for faulthandler for the life of the proces
 def _arm_stack_dump() -> None:
     """On SIGUSR2, write every thread's Python stack where the launcher's stall watch reads it."""
     global _stack_file
-    directory = os.environ.get(PROGRESS_DIR_VARIABLE)
+    directory = read_variable(PROGRESS_DIR_VARIABLE)
     if not directory:
         return
-    path = os.path.join(directory, f"{os.environ.get('LOCAL_RANK', '0')}.stack")
+    path = os.path.join(directory, f"{read_variable('LOCAL_RANK') or '0'}.stack")
     _stack_file = open(path, "w")  # noqa: SIM115 (faulthandler writes to it until exit)
     faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
 

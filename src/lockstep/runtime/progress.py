@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep.env import read_variable
+
 DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"
 _HEAD = struct.Struct("<qqqqd")  # seq, step, phase, index, since (wall clock)
 LABEL_BYTES = 256
@@ -117,8 +119,8 @@ def current() -> Progress:
     """The process's one record (progress is a fact about the process, like its pid)."""
     global _current
     if _current is None:
-        directory = os.environ.get(DIR_VARIABLE)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        directory = read_variable(DIR_VARIABLE)
+        local_rank = int(read_variable("LOCAL_RANK") or 0)
         path = path_for(directory, local_rank) if directory else None
         try:
             _current = Progress(path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lockstep.env import read_seconds
 from lockstep.runtime import progress
 from lockstep.runtime.handles import CollectiveHandle
 
@@ -142,7 +142,7 @@ def inspector() -> StallInspector:
     """The process's inspector, started at the first open wait; stopped at exit."""
     global _inspector
     if _inspector is None:
-        warn_s = float(os.environ.get(WARN_VARIABLE, DEFAULT_WARN_S))
+        warn_s = read_seconds(WARN_VARIABLE, DEFAULT_WARN_S)
         _inspector = StallInspector(warn_s)
         atexit.register(_inspector.stop)
     return _inspector
