@@ -3,7 +3,8 @@
 A refactor that must not change numerics is checked by running this before and
 after it and comparing the lines (`diff`): every scenario of engine_models at
 world sizes 2 and 4, with the engine's default bucketing and with each
-all-reduce algorithm.
+all-reduce algorithm; then the sharded engine's stages 1, 2 and 3 (several
+buckets or wrapped units, a no_sync() micro-batch, AdamW), at the same sizes.
 
     .venv/bin/python tests/dist/numerics_fingerprint.py > before.txt
 """
@@ -81,11 +82,47 @@ def _all(ctx) -> dict[str, str]:
     return out
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _sharded_train(stage: int, rank: int) -> dict:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), _Block(), _Block(), torch.nn.Linear(16, 4))
+    if rank == 1:  # the wrapper must start every rank from rank 0's weights
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.5)
+    wrap = [_Block] if stage == 3 else None
+    caps = {"bucket_cap_mb": 0.0005, "first_bucket_cap_mb": 0.0002}
+    model = lockstep.ShardedDataParallel(net, stage=stage, wrap=wrap, **caps)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        with model.no_sync():
+            model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        grads = {f"shard{i}": p.grad.detach().clone() for i, p in enumerate(model.parameters())}
+        opt.step()
+    return {"params": model.state_dict(), "buffers": {}, "grads": grads}
+
+
+def _sharded_all(ctx) -> dict[str, str]:
+    return {f"sharded/stage{s}": _digest(_sharded_train(s, ctx.rank)) for s in (1, 2, 3)}
+
+
 def main() -> None:
     for world in (2, 4):
-        results = run_ranks(_all, world, deadline_s=600, timeout_s=120)
-        for name in results[0]:
-            print(f"world{world} {name} " + " ".join(r[name] for r in results))
+        for run in (_all, _sharded_all):
+            results = run_ranks(run, world, deadline_s=600, timeout_s=120)
+            for name in results[0]:
+                print(f"world{world} {name} " + " ".join(r[name] for r in results))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The collective a complete bucket runs, as a small strategy object.
 
-The reducer knows when a bucket is complete; the strategy decides what happens
+The backward driver knows when a bucket is complete; the strategy decides what happens
 to it then, and whether the engine averages the gradients on their way into the
 bucket (`averaging(dtype)`: the 1/N rule, decided here once) or leaves them
 unscaled for the strategy to average itself, as torch's communication hooks do.
@@ -10,7 +10,7 @@ unscaled for the strategy to average itself, as torch's communication hooks do.
 | `AllReduceMean` | by the engine: scaled while copied, or divided per bucket | SUM all-reduce |
 | `CommHookCollective` | by the hook | `hook(state, GradBucket) -> Future` |
 
-The sharded engine adds a reduce-scatter here; nothing else needs to change.
+The sharded engine adds a reduce-scatter (`sharded/reduce_scatter.py`) beside them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 class BucketCollective(Protocol):
-    """What the reducer asks of a bucket's collective."""
+    """What the backward driver asks of a bucket's collective."""
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
         """How the engine scales gradients of `dtype` into a bucket; None: it does not."""

@@ -3,7 +3,7 @@
 A bucket's collective may be the backend's own (a `dist.Work`), one of
 lockstep's readable algorithms running on the communication thread (a
 `concurrent.futures.Future`), or a communication hook's `torch.futures.Future`.
-The reducer sees only `CollectiveHandle`: `poll()` (finished yet?), `wait()`
+The driver sees only `CollectiveHandle`: `poll()` (finished yet?), `wait()`
 (block until the bucket's buffer holds the result) and `done_at` (when it was
 first seen finished, a `perf_counter()` reading; 0.0 before).
 """
@@ -38,7 +38,7 @@ class WorkHandle:
     No Python callback is attached to the backend's future: such a callback needs
     the GIL on the backend's own thread, which stalls the next collective while
     backward holds the GIL, and may fire during interpreter shutdown. Instead the
-    reducer polls `is_completed()` at each gradient hook, so the stamp is taken at
+    driver polls `is_completed()` at each gradient hook, so the stamp is taken at
     the first hook (or the final wait) after completion: a close upper bound.
     """
 

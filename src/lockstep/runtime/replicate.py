@@ -17,7 +17,7 @@ BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 
 def broadcast_tensors(
-    tensors: Iterable[torch.Tensor], src: int = 0, process_group: dist.ProcessGroup | None = None
+    tensors: Iterable[torch.Tensor], src: int, process_group: dist.ProcessGroup | None
 ) -> None:
     """Overwrite `tensors` on every rank with their values on global rank `src`, in place."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

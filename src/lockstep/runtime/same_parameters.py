@@ -40,7 +40,7 @@ def first_difference(reference: Signature, other: Signature) -> str | None:
 
 def verify_same_parameters(
     named_params: Sequence[tuple[str, torch.Tensor]],
-    process_group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None,
 ) -> None:
     """Raise on every rank unless all ranks hold the same trainable parameters.
 

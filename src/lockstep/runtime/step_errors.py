@@ -1,7 +1,8 @@
 """The errors a synchronised step can end in, worded once for every rank.
 
-`Reducer` raises them from its hooks and from the next forward; each says what
-was expected, what was found, on which rank, and what to do.
+The DDP `Reducer` and the backward driver raise them from hooks and from the
+next forward; each says what was expected, what was found, on which rank, and
+what to do.
 """
 
 from __future__ import annotations

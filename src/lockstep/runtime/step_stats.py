@@ -1,6 +1,6 @@
 """`StepStats`: what one synchronised step did, measured by the engine itself.
 
-The reducer stamps each bucket when it became ready, when its all-reduce was
+The backward driver stamps each bucket when it became ready, when its all-reduce was
 launched and when it finished; the wrapper stamps forward and backward. From
 those few `perf_counter()` readings per bucket come the figures people ask
 about: how long the all-reduces took, how much of that hid behind backward,
@@ -100,7 +100,7 @@ def step_stats(
     world_size: int,
     buckets: Sequence[Bucket],
     marks: StepMarks,
-    sent_bytes: int | None = None,
+    sent_bytes: int | None,
 ) -> StepStats:
     """Assemble a step's figures from its buckets' stamps.
 

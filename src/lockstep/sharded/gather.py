@@ -76,7 +76,7 @@ class GatherScheduler:
         prefetch: start the next unit's all-gather before the current one runs.
     """
 
-    def __init__(self, root: Unit | None, units: list[Unit], prefetch: bool = True) -> None:
+    def __init__(self, root: Unit | None, units: list[Unit], prefetch: bool) -> None:
         self.root, self.units, self.prefetch = root, units, prefetch
         self.order: list[Unit] = list(units)
         self._seen: list[Unit] = []

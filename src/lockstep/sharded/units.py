@@ -1,7 +1,7 @@
 """Which parameters travel together: the units of the sharded engine.
 
 A unit is the group of parameters that is flattened, sharded, gathered and
-reduced as one. Stages 1 and 2 use DDP's buckets (`engine/bucketing.py`), so
+reduced as one. Stages 1 and 2 use DDP's buckets (`runtime/bucketing.py`), so
 gradients of the last layers leave while backward goes on. Stage 3 makes each
 module of a `wrap` class its own unit (gathered just before it runs, freed
 after), and puts every other trainable parameter in the root unit. A parameter
