@@ -1,1 +1,4 @@
-"""The data-parallel engines: the textbook `NaiveDataParallel` and the bucketed one."""
+"""The DDP engine: `DistributedDataParallel` with torch's modes, and `NaiveDataParallel`.
+
+What both engines share (the backward driver, buckets, waits) is `lockstep.runtime`.
+"""

@@ -5,14 +5,13 @@
 | `layout.py` | the pure flat layout: offsets, padding, each rank's shard |
 | `units.py` | which parameters go together: DDP buckets (1, 2) or wrapped modules (3) |
 | `flat.py` | `FlatParam`: a unit's flat buffer, its shard, the module's views |
-| `collective.py` | the bucket collectives: all-reduce (1), reduce-scatter (2, 3) |
-| `sync.py` | gradient collectives driven by backward's hooks |
+| `reduce_scatter.py` | `ShardBucket`; bucket collectives: all-reduce (1), reduce-scatter (2, 3) |
+| `sync.py` | `GradSync`: the engine's part of the shared backward driver (`runtime/driver.py`) |
 | `gather.py` | stage 3: gather before use, free after, prefetch the next unit |
 | `state.py` | full state dicts from shards, and back |
 | `optim_state.py` | the optimizer state as the plain model's per-parameter state dict |
 | `clip.py` | the global gradient norm over shards |
-| `agreement.py` | arguments checked on every rank together |
-| `memory.py` | state bytes per rank, measured and as `lockstep plan` predicts |
+| `arguments.py` | arguments checked on every rank together |
 | `timeline.py` | spans of phases and collectives, for the lanes picture |
 | `engine.py` | `ShardedDataParallel`, `FSDP` |
 """
