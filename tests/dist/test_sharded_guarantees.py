@@ -200,3 +200,29 @@ def test_require_backward_grad_sync_accumulates_like_no_sync(stage):
         assert toggled[rank]["steps"] == no_sync[rank]["steps"] == 2  # not 6
         for key, value in toggled[rank]["state"].items():
             assert torch.equal(value, no_sync[rank]["state"][key]), key
+
+
+class _Reversed(nn.Module):
+    """`a` is registered first but runs last, so its gradient is ready first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.b(x)))
+
+
+def _launch_order(ctx) -> list[tuple[float, float]]:
+    torch.manual_seed(0)
+    caps = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}
+    model = lockstep.ShardedDataParallel(_Reversed(), stage=2, **caps)
+    model(_batch(ctx.rank, 0)).sum().backward()
+    return [(b.ready, b.launched) for b in model.stats.buckets]
+
+
+def test_buckets_launch_in_index_order_whatever_order_gradients_arrive_in():
+    for buckets in run_ranks(_launch_order, 2, deadline_s=120):
+        ready, launched = zip(*buckets, strict=True)
+        assert list(ready) != sorted(ready), buckets  # gradients arrived out of index order
+        assert list(launched) == sorted(launched), buckets  # collectives did not
