@@ -44,7 +44,7 @@ class Monitor:
     """Per-step metrics, rank-0 logging, Chrome traces and straggler reports for a DDP run.
 
     Args:
-        ddp: the `lockstep.DistributedDataParallel` model.
+        ddp: the model, wrapped by `lockstep.DistributedDataParallel` or `ShardedDataParallel`.
         ctx: this process's `DistContext` (from `lockstep.init()`); rank facts are taken
             from `ddp.ctx`, the model's own group, so the two always agree.
         optimizer: a torch optimizer; its `step()` is timed through its step hooks.
@@ -88,8 +88,9 @@ class Monitor:
             )
         if not hasattr(ddp, "stats"):
             raise ValueError(
-                f"Monitor expected a lockstep.DistributedDataParallel (it reads ddp.stats); "
-                f"found {type(ddp).__name__}. Wrap the model with lockstep.DistributedDataParallel."
+                "Monitor expected a lockstep engine (DistributedDataParallel or "
+                f"ShardedDataParallel: it reads model.stats); found {type(ddp).__name__}. "
+                "Wrap the model with one of them."
             )
         # The ranks described are those of the model's group: its context, not the
         # job's, so a model on a subgroup is averaged over that subgroup.
