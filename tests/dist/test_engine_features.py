@@ -208,9 +208,9 @@ def _stats(ctx):
 def _all_reduced_step(ctx):
     """One step of `_stats`'s model, and the all-reduces the backend ran, from its profiler."""
     ddp = lockstep.DistributedDataParallel(MLP(64), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        with record_function(STEP):
-            ddp(torch.randn(8, 8)).sum().backward()
+    activities = [ProfilerActivity.CPU]
+    with profile(activities=activities, record_shapes=True) as prof, record_function(STEP):
+        ddp(torch.randn(8, 8)).sum().backward()
     return ddp.stats, float_all_reduces(prof.events())[0]
 
 

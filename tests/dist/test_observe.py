@@ -3,8 +3,8 @@
 One spawned run trains a small MLP split into several buckets for four steps
 with a Monitor (trace directory from LOCKSTEP_TRACE) and returns what each
 rank saw; the checks compare the metrics with the engine's own stats and with
-the ring's bytes figured from the model's gradients, the JSONL losses with the ranks' losses, and the trace events
-with the bucket records, one by one.
+the ring's bytes figured from the model's gradients, the JSONL losses with the
+ranks' losses, and the trace events with the bucket records, one by one.
 """
 
 from __future__ import annotations

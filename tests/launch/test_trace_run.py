@@ -123,6 +123,7 @@ def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_pa
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 def test_two_nodes_report_their_own_ranks_and_trace_merge_joins_them(hosts, tmp_path):
     """No shared trace directory: each node's launcher merges its rank; the CLI joins them."""
     launchers = []
