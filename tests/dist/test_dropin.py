@@ -7,8 +7,9 @@ agreement is to 1e-6 (float32), and 1e-2 where gradients are summed in bfloat16
 (scenario mixed_precision_bf16_reduce); scenarios whose arithmetic is the same
 bucket for bucket are still bitwise there, but the tolerance is stated once for all.
 Where equal numbers cannot show that an argument was honoured (delayed, bucket_list,
-skip_unused, batched_copy), a test checks what the run was `seen` doing: its
-all-reduces, its buckets, the storage of `.grad`, or bits at world size 3.
+skip_unused, batched_copy), a second test checks what the run was seen doing (the
+`seen` entry of its result: its all-reduces, its buckets, the storage of `.grad`),
+or bits at world size 3.
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ def test_bucket_caps_list_cuts_the_buckets_as_torch_does(runs):
 
 
 def test_skip_unused_launches_only_buckets_holding_a_gradient(runs):
-    """Only `fc` gets gradients: buckets of `never` and `sometimes` alone are not reduced."""
+    """Only `fc` gets gradients: buckets of `never` and `sometimes` alone are not reduced.
+
+    Checked on the steps after the rebuild, whose layout `bucket_layout()` shows.
+    """
     _, per_rank = runs
     numel = _numels(WithUnused)
     for rank, seen in _seen(per_rank, "skip_unused"):
@@ -139,7 +143,8 @@ def test_skip_unused_launches_only_buckets_holding_a_gradient(runs):
 
 @pytest.fixture(scope="module")
 def runs_at_three():
-    """World size 3: 1/3 is not exact, so dividing a sum and scaling each term differ."""
+    """World size 3: 1/3 is not exact, so dividing by 3 and multiplying by the float
+    nearest 1/3 differ in bits."""
     return run_ranks(run_all, 3, ["batched_copy", "copy_per_param"], deadline_s=120)
 
 
