@@ -356,7 +356,8 @@ def bucket_list(DDP, ctx):
 def batched_copy(DDP, ctx, batched: bool = True):
     """One parameter per bucket, so both classes cut the same buffers: at world size 3 the
     bits then show the arithmetic, copies divided by 3 with their bucket (batched) or
-    each gradient multiplied by 1/3 on its way in (not batched)."""
+    each gradient multiplied by 1/3 on its way in (not batched). A cap list, because
+    torch's first step ignores `bucket_cap_mb` and puts every gradient in one bucket."""
     model = built(MLP, perturb_rank=1)
     ddp = DDP(
         model,
