@@ -24,6 +24,8 @@ from launchkit import Launcher, node_args, wait_all
 from lockstep.cli import main as cli_main
 from lockstep.observe import load_events
 
+# Each runs a real job under a launcher, then merges and draws its trace.
+pytestmark = pytest.mark.slow
 SCRIPT = str(Path(__file__).with_name("train_plain_ddp.py"))
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST_FLUSH = {"LOCKSTEP_TRACE_FLUSH_S": "0.2"}
@@ -123,7 +125,6 @@ def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_pa
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_two_nodes_report_their_own_ranks_and_trace_merge_joins_them(hosts, tmp_path):
     """No shared trace directory: each node's launcher merges its rank; the CLI joins them."""
     launchers = []
