@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test demo lint format bench soak clean compat
+.PHONY: install test test-fast demo lint format bench soak clean compat
 
 install: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The inner loop: every test but those marked slow (launchers end to end, two nodes).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # A character-level GPT on the standard library's source, 2 processes; pictures in runs/gpt_demo/.
 demo: install

@@ -3,19 +3,25 @@
 Each scenario takes the wrapper class (`torch.nn.parallel.DistributedDataParallel`
 or `lockstep.DistributedDataParallel`) and returns what the script left behind:
 parameters, gradients, buffers, flags. The tests compare lockstep's result with
-torch's, rank by rank: the oracle is torch DDP itself.
+torch's, rank by rank: the oracle is torch DDP itself. Where the numbers cannot tell
+whether an argument was honoured, a scenario also returns what was `seen` from
+outside the engine: the backend's all-reduces (torch's profiler) and the buckets.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import math
 import warnings
 
 import torch
 from engine_models import MLP, WithBatchNorm, WithUnused
 from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
+
+FLOATING = {"float", "double", "c10::Half", "c10::BFloat16"}
 
 
 def batches(ctx, steps: int, per_rank: int = 4, seed: int = 0) -> list:
@@ -48,14 +54,65 @@ def result(model: nn.Module, **extra) -> dict:
     }
 
 
-def train(ddp, model, data, micro: int = 1, **loss_kwargs) -> None:
+def train(ddp, model, data, micro: int = 1, seen: list | None = None, **loss_kwargs) -> None:
+    """SGD over `data`; with `seen`, each step's floating-point all-reduces are appended."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in data:
+
+    def step(x, y) -> None:
         opt.zero_grad()
         for k, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             ddp.require_backward_grad_sync = k == micro - 1
             ((ddp(xs, **loss_kwargs) - ys) ** 2).mean().backward()
         opt.step()
+
+    if seen is None:
+        for x, y in data:
+            step(x, y)
+        return
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for x, y in data:
+            with record_function(STEP):
+                step(x, y)
+    seen.extend(float_all_reduces(prof.events()))
+
+
+# ------------------------------------------------------------- observations
+STEP = "dropin-scenario-step"
+
+
+def float_all_reduces(events) -> list[list[int]]:
+    """From torch's profiler: per training step, the element count of each floating-point
+    all-reduce the backend ran in it, in the order they started.
+
+    Seen from outside either class: gradient buckets and delayed buffers are floating
+    point; lockstep's step fingerprint and the used-parameter vote are integers.
+    """
+    steps = sorted((e.time_range for e in events if e.name == STEP), key=lambda r: r.start)
+    reduces = sorted(
+        (
+            e
+            for e in events
+            if e.name == "gloo:all_reduce" and e.input_dtypes and e.input_dtypes[0] in FLOATING
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    return [
+        [math.prod(e.input_shapes[0]) for e in reduces if r.start <= e.time_range.start <= r.end]
+        for r in steps
+    ]
+
+
+def bucket_layout(ddp) -> list[list[str]]:
+    """Parameter names per bucket, in launch order, as each class shows them.
+
+    The one place that reads a private interface: torch's class describes its rebuilt
+    buckets only in its logging data (indices into the trainable parameters).
+    """
+    if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+        return ddp.bucket_layout()
+    names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
+    cut = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    return [[names[int(i)] for i in bucket.split()] for bucket in cut.split(",")]
 
 
 # ------------------------------------------------------------------ scenarios
@@ -247,11 +304,15 @@ def broadcast_buffers_off(DDP, ctx):
 
 
 def skip_unused(DDP, ctx):
+    """Only `fc` gets gradients; a bucket holding none of them is not all-reduced."""
     model = built(WithUnused)
     kwargs = {"find_unused_parameters": True, "skip_all_reduce_unused_params": True}
     ddp = DDP(model, bucket_cap_mb=0.0001, **kwargs)  # `never` gets buckets of its own
-    train(ddp, model, batches(ctx, 3))
-    return result(model)
+    seen: list = []
+    train(ddp, model, batches(ctx, 3), seen=seen)
+    # torch does not rebuild its buckets with find_unused_parameters, nor tell them.
+    layout = bucket_layout(ddp) if DDP is not nn.parallel.DistributedDataParallel else None
+    return result(model, seen={"all_reduced": seen, "layout": layout})
 
 
 def delayed(DDP, ctx):
@@ -267,22 +328,50 @@ def delayed(DDP, ctx):
         "param_to_hook_all_reduce": model.net[0].weight,
     }
     ddp = DDP(model, **delay) if DDP is not nn.parallel.DistributedDataParallel else DDP(model)
-    train(ddp, model, batches(ctx, 3))
-    return result(model)
+    seen: list = []
+    train(ddp, model, batches(ctx, 3), seen=seen)
+    grads = [last.weight.grad, last.bias.grad]
+    storages = {(g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in grads}
+    layout = bucket_layout(ddp) if DDP is not nn.parallel.DistributedDataParallel else None
+    return result(model, seen={"all_reduced": seen, "layout": layout, "storages": storages})
+
+
+# Per-bucket caps (MiB) whose cut differs from one cap, and from a first cap and a second.
+BUCKET_CAPS_MB = [0.00025, 0.001, 0.00005]
 
 
 def bucket_list(DDP, ctx):
+    """Seen: the buckets, and the all-reduces once both classes have rebuilt them.
+
+    The first step's all-reduces differ: torch cuts its first buckets in registration
+    order, lockstep in reverse; both rebuild in the order gradients arrived.
+    """
     model = built(MLP)
-    ddp = DDP(model, bucket_cap_mb_list=[0.0005, 0.001])
-    train(ddp, model, batches(ctx, 3))
-    return result(model)
+    ddp = DDP(model, bucket_cap_mb_list=BUCKET_CAPS_MB)
+    seen: list = []
+    train(ddp, model, batches(ctx, 3), seen=seen)
+    return result(model, seen={"all_reduced": seen[1:], "layout": bucket_layout(ddp)})
 
 
-def batched_copy(DDP, ctx):
+def batched_copy(DDP, ctx, batched: bool = True):
+    """One parameter per bucket, so both classes cut the same buffers: at world size 3 the
+    bits then show the arithmetic, copies divided by 3 with their bucket (batched) or
+    each gradient multiplied by 1/3 on its way in (not batched). A cap list, because
+    torch's first step ignores `bucket_cap_mb` and puts every gradient in one bucket."""
     model = built(MLP, perturb_rank=1)
-    ddp = DDP(model, gradient_as_bucket_view=False, batched_grad_copy=True)
+    ddp = DDP(
+        model,
+        gradient_as_bucket_view=False,
+        batched_grad_copy=batched,
+        bucket_cap_mb_list=[1e-6],
+    )
     train(ddp, model, batches(ctx, 3), micro=2)
     return result(model)
+
+
+def copy_per_param(DDP, ctx):
+    """batched_copy without the flag: the control that shows the bits can differ."""
+    return batched_copy(DDP, ctx, batched=False)
 
 
 def ignored(DDP, ctx):
@@ -394,6 +483,8 @@ SCENARIOS = {
         mixed_precision_bf16_reduce,
     ]
 }
+# Run only where a test asks for them (controls of an observation).
+CONTROLS = {f.__name__: f for f in [copy_per_param]}
 
 
 def run_all(ctx, names: list[str]) -> dict:
@@ -405,7 +496,7 @@ def run_all(ctx, names: list[str]) -> dict:
         for engine, cls in [("lockstep", lockstep.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)]:
             torch.distributed.barrier()
             try:
-                out[(name, engine)] = SCENARIOS[name](cls, ctx)
+                out[(name, engine)] = {**SCENARIOS, **CONTROLS}[name](cls, ctx)
             except Exception as error:  # reported by the test, with the scenario's name
                 out[(name, engine)] = {"error": f"{type(error).__name__}: {error}"}
     return out

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dropin_scenarios import STEP, float_all_reduces
 from engine_models import MLP, WithUnused
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import lockstep
 from lockstep.engine.comm_hooks import (
@@ -17,7 +19,6 @@ from lockstep.engine.comm_hooks import (
     fp16_compress_hook,
 )
 from lockstep.engine.powersgd import PowerSGDState, powersgd_hook
-from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.errors import UnusedParametersError
 from lockstep.testing import RankFailure, run_ranks
 
@@ -150,22 +151,30 @@ def test_full_rank_powersgd_equals_plain_average(hook_runs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def _ring_bytes(payload: float, world: int) -> float:
+    """What each rank sends in a ring all-reduce of `payload` bytes, from the algorithm:
+    N-1 chunks of payload/N to reduce-scatter the sums, then N-1 more to gather them.
+    Written here, apart from the engine's figure, so that a wrong figure cannot pass."""
+    chunk = payload / world
+    return (world - 1) * chunk + (world - 1) * chunk
+
+
 def test_wire_bytes_per_hook_against_theory(hook_runs):
     run = hook_runs[0]
-    payload = sum(p.numel() for p in run[("lockstep", "none")]["params"]) * 4
-    assert run[("lockstep", "none")]["wire"] == [ring_wire_bytes(payload, 2)] * 4
-    assert run[("lockstep", "fp16")]["wire"] == [ring_wire_bytes(payload // 2, 2)] * 4
-    assert run[("lockstep", "bf16")]["wire"] == [ring_wire_bytes(payload // 2, 2)] * 4
+    payload = sum(p.numel() for p in run[("lockstep", "none")]["params"]) * 4  # float32
+    assert run[("lockstep", "none")]["wire"] == [_ring_bytes(payload, 2)] * 4 == [payload] * 4
+    assert run[("lockstep", "fp16")]["wire"] == [_ring_bytes(payload / 2, 2)] * 4
+    assert run[("lockstep", "bf16")]["wire"] == [_ring_bytes(payload / 2, 2)] * 4
     # PowerSGD rank 1 (from step 2): an n x m weight sends n + m numbers (each gains more
     # than the ratio 2: n m > 2 (n + m)); the biases go whole.
     weights = [(32, 8), (32, 32), (4, 32)]
     compressed = sum(n + m for n, m in weights)
     biases = 32 + 32 + 4
-    expected = ring_wire_bytes((compressed + biases) * 4, 2)
+    expected = _ring_bytes((compressed + biases) * 4, 2)
     wire = run[("lockstep", "powersgd")]["wire"]
-    assert wire[0] == ring_wire_bytes(payload, 2)  # start_iter=1: first step uncompressed
+    assert wire[0] == _ring_bytes(payload, 2)  # start_iter=1: first step uncompressed
     assert wire[1:] == [expected] * 3
-    assert expected < 0.5 * ring_wire_bytes(payload, 2)
+    assert expected < 0.5 * _ring_bytes(payload, 2)
 
 
 def _portable_state_dict(ctx):
@@ -194,6 +203,26 @@ def _stats(ctx):
     for _ in range(3):
         ddp(torch.randn(8, 8)).sum().backward()
     return ddp.stats, ddp.payload_bytes
+
+
+def _all_reduced_step(ctx):
+    """One step of `_stats`'s model, and the all-reduces the backend ran, from its profiler."""
+    ddp = lockstep.DistributedDataParallel(MLP(64), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    activities = [ProfilerActivity.CPU]
+    with profile(activities=activities, record_shapes=True) as prof, record_function(STEP):
+        ddp(torch.randn(8, 8)).sum().backward()
+    return ddp.stats, float_all_reduces(prof.events())[0]
+
+
+def test_wire_bytes_at_three_ranks_are_four_thirds_of_the_gradients():
+    """2(N-1)/N times the gradient bytes, counted from the model, at N = 3; the buckets
+    the backend all-reduced (seen by torch's profiler) add up to those bytes."""
+    grad_bytes = 4 * sum(p.numel() for p in MLP(64).parameters())  # float32
+    for stats, all_reduced in run_ranks(_all_reduced_step, 3):
+        assert 4 * sum(all_reduced) == stats.payload_bytes == grad_bytes
+        assert len(all_reduced) == len(stats.buckets) >= 3
+        assert abs(stats.wire_bytes - _ring_bytes(grad_bytes, 3)) < 1  # whole bytes
+        assert abs(stats.wire_bytes - 4 / 3 * grad_bytes) < 1
 
 
 def test_stats_describe_each_bucket_in_order():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ def run_example(script: str, *args: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_ddp_at_world_size_one_resumes_single_and_matches_it_bitwise(tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     lines = run_example("train_single.py", "--epochs", "3", "--ckpt-dir", str(single))

@@ -23,6 +23,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "2"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180 * RUNS)
 def test_a_script_without_shutdown_exits_cleanly_under_torchrun():
     bad = []

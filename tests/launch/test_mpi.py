@@ -40,9 +40,12 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
+# Decided before the reference run is made: without mpirun it would be wasted.
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None,
+    reason="mpirun not installed; run .ci/install-launchers as root (openmpi-bin)",
+)
 def test_mpirun_two_processes_train_bitwise_like_lockstep_run(lockstep_run_reference, tmp_path):
-    if shutil.which("mpirun") is None:
-        pytest.skip("mpirun not installed; run .ci/install-launchers as root (openmpi-bin)")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port()}
     env.setdefault("PYTHONPATH", "")
     argv = mpirun_argv(2, [TRAIN, "--out", str(tmp_path), "--steps", "4"])

@@ -17,7 +17,7 @@ import time
 import pytest
 from launchkit import MASTER_PORT, TRAIN, Launcher, node_args, wait_all
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 RUN_CASES = (
     "import json, sys\n"
     "from lockstep import cli\n"

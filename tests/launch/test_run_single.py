@@ -150,6 +150,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["shutdown", "forgotten", "own_group"])
 def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp_path, ending):
     """An optimizer made after init() must not keep the group (and its gloo threads) alive.

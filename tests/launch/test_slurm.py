@@ -65,19 +65,23 @@ def _assert_bitwise(out: Path, reference: dict[str, torch.Tensor]) -> None:
         assert torch.equal(trained[name], reference[name]), name
 
 
-def test_srun_two_tasks_train_bitwise_like_lockstep_run(slurm, lockstep_run_reference, tmp_path):
+def _reference(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
+    """The session's `lockstep run` reference, built only once `slurm` has not skipped
+    (pytest sets session fixtures up before module ones, whatever the argument order)."""
+    return request.getfixturevalue("lockstep_run_reference")
+
+
+def test_srun_two_tasks_train_bitwise_like_lockstep_run(slurm, request, tmp_path):
     argv = ["srun", "-n", "2", "--time=5", "python", TRAIN, "--out", str(tmp_path)]
     done = subprocess.run(
         [*argv, "--steps", STEPS], env=slurm, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 1 restart 0 starts at step 0" in done.stdout
-    _assert_bitwise(tmp_path, lockstep_run_reference)
+    _assert_bitwise(tmp_path, _reference(request))
 
 
-def test_sbatch_srun_lockstep_run_trains_bitwise_like_lockstep_run(
-    slurm, lockstep_run_reference, tmp_path
-):
+def test_sbatch_srun_lockstep_run_trains_bitwise_like_lockstep_run(slurm, request, tmp_path):
     script = tmp_path / "train.sbatch"
     script.write_text(SBATCH_SCRIPT.format(out=tmp_path, train=TRAIN, steps=STEPS))
     done = subprocess.run(
@@ -90,4 +94,4 @@ def test_sbatch_srun_lockstep_run_trains_bitwise_like_lockstep_run(
     )
     assert done.returncode == 0, done.stdout + done.stderr + log
     assert "node 0 of 1" in log and "ranks 0-1 of 2" in log, log
-    _assert_bitwise(tmp_path, lockstep_run_reference)
+    _assert_bitwise(tmp_path, _reference(request))

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from launchkit import Launcher
 
+pytestmark = pytest.mark.slow  # two stalls of STALL_S each, under the real launcher
 SCRIPT = str(Path(__file__).with_name("train_stall.py"))
 STALL_S = 5
 ENV = {"LOCKSTEP_STALL_WARN_S": "2"}

@@ -24,6 +24,8 @@ from launchkit import Launcher, node_args, wait_all
 from lockstep.cli import main as cli_main
 from lockstep.observe import load_events
 
+# Each runs a real job under a launcher, then merges and draws its trace.
+pytestmark = pytest.mark.slow
 SCRIPT = str(Path(__file__).with_name("train_plain_ddp.py"))
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST_FLUSH = {"LOCKSTEP_TRACE_FLUSH_S": "0.2"}
