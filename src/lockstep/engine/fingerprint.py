@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.engine import progress, stall
+from lockstep.engine.control_device import control_device
 from lockstep.engine.handles import WorkHandle
 from lockstep.errors import RankMismatchError
 
@@ -74,6 +75,7 @@ class StepFingerprint:
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
             self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
+        self._sums = self._sums.to(control_device(self.group))  # NCCL takes CUDA only
         self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
         self._step = mine.step if mine is not None else self._step + 1
         progress.note(progress.Phase.BACKWARD, self._step)

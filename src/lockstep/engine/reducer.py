@@ -26,12 +26,14 @@ from lockstep.engine import stall
 from lockstep.engine.bucket import Bucket
 from lockstep.engine.bucketing import assign_buckets, param_specs
 from lockstep.engine.collective import Averaging, BucketCollective
+from lockstep.engine.control_device import control_device
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.engine.data_passes import DataPasses
 from lockstep.engine.fingerprint import Fingerprint, StepFingerprint, layout_hash
 from lockstep.engine.stats import StepMarks, StepStats, step_stats
 from lockstep.engine.step import StepState
 from lockstep.engine.step_errors import ready_twice, second_backward, unfinished
+from lockstep.engine.streams import at_backward_end
 from lockstep.errors import UnusedParametersError
 
 StepObserver = Callable[[StepStats], None]
@@ -161,7 +163,8 @@ class Reducer:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
         if self._rebuilt or len(self._ready_order) != len(self.params):
             return
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        device = control_device(self.group)
+        order = torch.tensor(self._ready_order, dtype=torch.int64, device=device)
         if self.world_size > 1:
             src = dist.get_global_rank(self.group, 0) if self.group else 0
             dist.broadcast(order, src, group=self.group)
@@ -219,7 +222,7 @@ class Reducer:
         """State "started": queue finalize on autograd, pre-mark unused parameters."""
         step.started = True
         self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        at_backward_end(self._finalize)  # on the caller's streams: `engine/streams.py`
         self._mark = self._mark_ready
         if torch.is_grad_enabled():  # backward(create_graph=True): `engine/create_graph.py`
             self._mark = partial(mark_keeping_graph, self)
@@ -302,7 +305,7 @@ class Reducer:
         if not self.votes_unused():
             return self.static_unused or set()
         # After every bucket is done, so no hook's collective can interleave with it.
-        flags = torch.tensor(used, dtype=torch.int32)
+        flags = torch.tensor(used, dtype=torch.int32, device=control_device(self.group))
         dist.all_reduce(flags, group=self.group)
         unused = {i for i, n in enumerate(flags.tolist()) if n == 0}
         if self.static:

@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lockstep.engine.reducer import GradHook, Reducer
+from lockstep.engine.streams import at_backward_end
 from lockstep.errors import LockstepError
 
 
@@ -78,7 +79,7 @@ class StaticGraph:
             return
         if self.expected is None:
             # Queued before `_finalize` (queued by `_start`), so it runs first.
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            at_backward_end(self._flush)
         else:
             self._remaining = list(self.expected)
         reducer._start(step)

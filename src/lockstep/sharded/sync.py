@@ -19,11 +19,12 @@ import torch
 
 from lockstep.engine.collective import BucketCollective
 from lockstep.engine.handles import CollectiveHandle
+from lockstep.engine.streams import at_backward_end
 from lockstep.sharded.collective import ShardBucket, bucket_of
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.timeline import Span, Timeline
 
-_run_at_end = torch.autograd.Variable._execution_engine.queue_callback
+_run_at_end = at_backward_end  # on the caller's streams: `engine/streams.py`
 
 
 class GradSync:
