@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICES
 from ddp_cases import CASES, differences, rank_main, run_all, skip_reason
 
+from conftest import DEVICES
 from lockstep.testing import run_ranks
 
 _RESULTS: dict[tuple[str, int], list[dict]] = {}
