@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_cases import CASES, differences, rank_main, run_all, skip_reason
+from gpu_devices import DEVICES
 
-from conftest import DEVICES
 from lockstep.testing import run_ranks
 
 _RESULTS: dict[tuple[str, int], list[dict]] = {}

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_devices import NO_CUDA
 from torch import nn
 
 import lockstep
-from conftest import NO_CUDA
 from lockstep.engine.streams import at_backward_end, current_stream
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
