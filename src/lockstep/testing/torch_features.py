@@ -33,3 +33,19 @@ def torch_version() -> tuple[int, int]:
     """(major, minor) of the installed torch, for tables."""
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+# lockstep's own keyword arguments: never torch's, so never "missing" from torch.
+LOCKSTEP_ONLY = frozenset(
+    {"first_bucket_cap_mb", "allreduce", "local_world_size", "check_data_passes"}
+)
+
+
+def absent_from_installed_torch() -> list[str]:
+    """The torch DDP arguments lockstep follows (torch 2.13's) that the installed torch lacks."""
+    from dataclasses import fields
+
+    from lockstep.engine.args import DDPArguments
+
+    ours = [f.name for f in fields(DDPArguments) if f.name not in LOCKSTEP_ONLY]
+    return missing_ddp_arguments(ours)
