@@ -196,12 +196,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (any device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--phases", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--phases", type=int, default=6, help="world 1: alternating phases")
+    parser.add_argument("--steps", type=int, default=20, help="world 1: timed steps per phase")
+    parser.add_argument("--sharded-steps", type=int, default=6, help="world 2: per engine, round")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     big, mid = (TINY, TINY) if args.smoke else (BIG, MID)
     steps = 2 if args.smoke else args.steps
+    sharded_steps = 2 if args.smoke else args.sharded_steps
     phases = 2 if args.smoke else args.phases
     out = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
         "smoke": args.smoke,
     }
     out["ddp_world1"] = part1(big, args.device, phases, steps)
-    ranks = run_ranks(sharded_rank, 2, mid, args.device, steps, deadline_s=400, timeout_s=120)
+    ranks = run_ranks(
+        sharded_rank, 2, mid, args.device, sharded_steps, deadline_s=400, timeout_s=120
+    )
     out["sharded_world2_ms"] = {e: max(r[e] for r in ranks) for e in SHARDED_ENGINES}
     print(render(out))
     if args.json:
