@@ -2,8 +2,8 @@
 
 Besides gradients, a step sends a few small tensors of its own: the step
 fingerprint, the unused-parameter vote, the rebuilt bucket order. Gloo takes
-CPU tensors; NCCL takes only CUDA tensors (a CPU tensor is refused, at world
-size 1 too). `control_device(group)` names the device such a tensor must be
+CPU tensors; NCCL takes only CUDA tensors (its process group checks every
+tensor). `control_device(group)` names the device such a tensor must be
 made on for `group`; the engine creates them there and reads them back with
 `.tolist()`, which waits for the device.
 """
