@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test test-fast demo lint format bench soak clean compat
+.PHONY: install test test-fast demo lint format bench soak clean compat gpu-check
 
 install: $(STAMP)
 
@@ -51,3 +51,9 @@ clean:
 # torch's own DDP test suite, with torch's class and with lockstep's, side by side (not in `test`).
 compat: install
 	PYTHONPATH=src $(BIN)/python tests/compat/compare.py
+
+# Every GPU test and benchmark, one table, < 10 min; the GPU machine's own python, nothing
+# installed (GPU_PY=...); without CUDA the CUDA tests skip and benchmarks run at smoke sizes.
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PY) tests/gpu/gpu_check.py

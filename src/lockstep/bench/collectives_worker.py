@@ -25,6 +25,7 @@ from lockstep import collectives as lc
 from lockstep.bench.collectives import BenchOptions, Collective, add_bench_flags, bench_options
 from lockstep.bench.collectives import bus_factor as _bus_factor
 from lockstep.bench.timing import per_call_seconds
+from lockstep.torch_compat import all_gather_single, reduce_scatter_single
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -89,7 +90,7 @@ def _reduce_scatter(name: str, numel: int, dtype: torch.dtype, ctx, made: dict) 
     part = torch.zeros(numel // ctx.world_size, dtype=dtype)
 
     def native() -> None:
-        dist.reduce_scatter_single(part, full)
+        reduce_scatter_single(part, full)
 
     def ours() -> None:
         lc.reduce_scatter(part, full, workspace=workspace)
@@ -103,7 +104,7 @@ def _all_gather(name: str, numel: int, dtype: torch.dtype, ctx, made: dict) -> C
     part = torch.zeros(numel // ctx.world_size, dtype=dtype)
 
     def native() -> None:
-        dist.all_gather_single(full, part)
+        all_gather_single(full, part)
 
     def ours() -> None:
         lc.all_gather(full, part)

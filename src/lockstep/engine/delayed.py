@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.runtime.replicate import broadcast_tensors
+from lockstep.runtime.streams import at_backward_end
 
 if TYPE_CHECKING:
     from lockstep.engine.args import DDPArguments
@@ -71,7 +72,7 @@ class DelayedAllReduce:
     def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
         self.buffer.div_(self.world_size)
         work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
-        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+        at_backward_end(work.wait)  # the caller's stream waits for the sum
         return grad
 
 

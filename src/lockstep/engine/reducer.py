@@ -27,6 +27,7 @@ from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
 from lockstep.runtime.bucket_layout import BucketLayout
 from lockstep.runtime.bucketing import assign_buckets, param_specs
+from lockstep.runtime.control_device import control_device
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
@@ -140,7 +141,9 @@ class Reducer:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
         if self._rebuilt or len(self._ready_order) != len(self.params):
             return
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        order = torch.tensor(
+            self._ready_order, dtype=torch.int64, device=control_device(self.group)
+        )
         if self.world_size > 1:
             dist.broadcast(order, self.root, group=self.group)
         self._use_layout(self._groups(order.tolist()))
@@ -247,7 +250,7 @@ class Reducer:
         if not self.votes_unused():
             return self.static_unused or set()
         # After every bucket is done, so no hook's collective can interleave with it.
-        flags = torch.tensor(used, dtype=torch.int32)
+        flags = torch.tensor(used, dtype=torch.int32, device=control_device(self.group))
         dist.all_reduce(flags, group=self.group)
         unused = {i for i, n in enumerate(flags.tolist()) if n == 0}
         if self.static:

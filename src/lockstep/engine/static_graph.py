@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lockstep.engine.reducer import GradHook, Reducer
 from lockstep.errors import LockstepError
+from lockstep.runtime.streams import at_backward_end
 
 
 class _Sink(torch.autograd.Function):
@@ -78,7 +79,7 @@ class StaticGraph:
             return
         if self.expected is None:
             # Queued before the driver's `_finalize` (queued by `start`), so it runs first.
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            at_backward_end(self._flush)
         else:
             self._remaining = list(self.expected)
         reducer.start(step)

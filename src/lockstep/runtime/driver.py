@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
 from lockstep.errors import UnusedParametersError
@@ -34,9 +33,10 @@ from lockstep.runtime.data_passes import DataPasses
 from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
+from lockstep.runtime.streams import at_backward_end
 
 StepObserver = Callable[[StepStats], None]
-_queue_at_backward_end = torch.autograd.Variable._execution_engine.queue_callback
+_queue_at_backward_end = at_backward_end  # on the caller's streams: `runtime/streams.py`
 
 
 class GradientSink(Protocol):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lockstep.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
 from lockstep.runtime import progress, waits
+from lockstep.runtime.control_device import control_device
 from lockstep.runtime.handles import WorkHandle
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
@@ -67,6 +68,7 @@ class StepFingerprint:
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
             self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
+        self._sums = self._sums.to(control_device(self.group))  # NCCL takes CUDA only
         self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
         self._step = mine.step if mine is not None else self._step + 1
         progress.note(progress.Phase.BACKWARD, self._step)

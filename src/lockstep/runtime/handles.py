@@ -97,6 +97,12 @@ class HookHandle:
             self._take()
 
     def _take(self) -> None:
+        # done() may be true while a CUDA future's kernels still run; wait() orders the
+        # current stream after them (value() alone does not), so the copy below is safe.
+        self.future.wait()
+        # done() may be true while a CUDA future's kernels still run; wait() orders the
+        # current stream after them (value() alone does not), so the copy below is safe.
+        self.future.wait()
         result = self.future.value()
         result = result[0] if isinstance(result, list) else result
         if result.data_ptr() != self.buffer.data_ptr():

@@ -17,6 +17,7 @@ from torch import nn
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.sharded.layout import flat_layout
 from lockstep.sharded.units import ParamSlots
+from lockstep.torch_compat import all_gather_single
 
 
 class FlatParam:
@@ -90,7 +91,7 @@ class FlatParam:
         if storage.nbytes() == 0:
             storage.resize_(self.nbytes)
         self.gathered = True
-        work = dist.all_gather_single(
+        work = all_gather_single(
             self.full.data, self.shard.data, group=self.process_group, async_op=True
         )
         return WorkHandle(work)

@@ -19,6 +19,7 @@ from lockstep.runtime.bucket_collective import AllReduceMean, Averaging, BucketC
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
+from lockstep.torch_compat import reduce_scatter_single
 
 _EMPTY = torch.empty(0)
 
@@ -57,7 +58,7 @@ class ReduceScatterMean:
     def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         bucket.divide_found_in_place()
-        work = dist.reduce_scatter_single(
+        work = reduce_scatter_single(
             bucket.shard_grad, bucket.buffer, group=self.process_group, async_op=True
         )
         return WorkHandle(work)

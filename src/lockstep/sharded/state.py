@@ -12,15 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lockstep.sharded.flat import FlatParam
+from lockstep.torch_compat import all_gather_single
 
 
 def gather_flat(flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:
     """All-gather a shard-shaped tensor of `flat` into its padded full length."""
     out = shard.new_empty(flat.layout.padded_numel)
-    dist.all_gather_single(out, shard.detach().contiguous(), group=flat.process_group)
+    all_gather_single(out, shard.detach().contiguous(), group=flat.process_group)
     return out
 
 

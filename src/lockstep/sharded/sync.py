@@ -25,11 +25,12 @@ from lockstep.runtime.bucket_layout import layout_hash
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.handles import CollectiveHandle
 from lockstep.runtime.step import StepState
+from lockstep.runtime.streams import at_backward_end
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.reduce_scatter import ShardBucket, fill_bucket, shard_bucket
 from lockstep.sharded.timeline import Span, Timeline
 
-_run_at_end = torch.autograd.Variable._execution_engine.queue_callback
+_run_at_end = at_backward_end  # on the caller's streams: `runtime/streams.py`
 
 
 class GradSync:

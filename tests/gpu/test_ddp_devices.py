@@ -1,0 +1,50 @@
+"""lockstep's DDP against torch's on a device, bitwise, every mode of tests/gpu/ddp_cases.py.
+
+World size 1 runs in this process (NCCL on CUDA, gloo on the CPU); world size 2
+runs two gloo ranks that both hold CUDA tensors on the one GPU (two processes
+cannot share a GPU under NCCL), which exercises the same streams, device copies
+and memory. The arithmetic of both engines is the same, so every parameter and
+gradient must be bitwise equal after three steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_cases import CASES, differences, rank_main, run_all, skip_reason
+from gpu_devices import DEVICES
+
+from lockstep.testing import run_ranks
+
+_RESULTS: dict[tuple[str, int], list[dict]] = {}
+
+
+def _results(device: str, world: int) -> list[dict]:
+    """Each rank's results, computed once per (device, world size) for all cases."""
+    key = (device, world)
+    if key not in _RESULTS:
+        if world == 1:
+            backend = "nccl" if device == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                _RESULTS[key] = [run_all(0, 1, device)]
+            finally:
+                dist.destroy_process_group()
+        else:
+            _RESULTS[key] = run_ranks(rank_main, world, device, deadline_s=240, timeout_s=60)
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_lockstep_matches_torch_ddp_bitwise(device, name, world):
+    reason = skip_reason(name, device)
+    if reason is not None:
+        pytest.skip(reason)
+    for rank, results in enumerate(_results(device, world)):
+        diff = differences(results[(name, "lockstep")], results[(name, "torch")])
+        assert not diff, f"rank {rank}, world {world}, {device}: {diff}"
+        if device == "cuda":
+            assert torch.cuda.is_available()
