@@ -42,6 +42,7 @@ from lockstep.engine.collective import (
 )
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
+from lockstep.engine.finite import FiniteGuard, bucket_params
 from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.replicas import broadcast_tensors
@@ -57,8 +58,10 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
     The arguments are torch 2.13's, in its positional order, then lockstep's
     keyword-only `first_bucket_cap_mb`, `allreduce` ("native", or "ring", "tree",
     "hierarchical" from `lockstep.collectives`), `local_world_size` (processes per
-    node for "hierarchical") and `check_data_passes` (the step fingerprint compares
-    passes over the data). `engine/args.py` documents each; `docs/compat.md` lists
+    node for "hierarchical"), `check_data_passes` (the step fingerprint compares
+    passes over the data) and `nonfinite` ("raise", "skip" or "off": what a step whose
+    gradients hold NaN or inf on some rank does; `engine/finite.py`, docs/engine.md).
+    `engine/args.py` documents each; `docs/compat.md` lists
     what each does here and the test that shows it.
 
     Raises:
@@ -94,9 +97,11 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         allreduce: str = NATIVE,
         local_world_size: int | None = None,
         check_data_passes: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        self._nonfinite_mode = nonfinite  # engine/finite.py: "raise", "skip" or "off"
         args = DDPArguments(
             device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
             bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
@@ -146,11 +151,13 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         self.process_group = self._args.group
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
+        self.nonfinite = self._build_nonfinite(named)
         self.reducer = self._build_reducer(named)
         self._delayed: DelayedAllReduce | None = build_delayed(
             self._args, self.process_group, self.ctx.world_size
         )
         self._mp = self._build_mixed_precision()
+        self.reducer.observers.append(lambda _: self.nonfinite.end_step())  # after _mp's
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()
@@ -182,10 +189,21 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             check_data_passes=args.check_data_passes,
         )
 
+    def _build_nonfinite(self, named: list[tuple[str, nn.Parameter]]) -> FiniteGuard:
+        """Non-finite gradients caught per bucket, the step ended as the mode says."""
+
+        def drop_grads() -> None:
+            for param in self.module.parameters():
+                param.grad = None
+
+        mode = getattr(self, "_nonfinite_mode", "raise")
+        locate = bucket_params([name for name, _ in named])
+        return FiniteGuard(mode, self.process_group, self.ctx.rank, locate, drop_grads)
+
     def _with_skip(self, collective: BucketCollective) -> BucketCollective:
         if self._args.skip_all_reduce_unused_params:
-            return SkipUnusedBuckets(collective)
-        return collective
+            collective = SkipUnusedBuckets(collective)
+        return self.nonfinite.wrap(collective)
 
     def _build_mixed_precision(self) -> MixedPrecision | None:
         if self.mixed_precision is None:
@@ -214,6 +232,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         # What holds a group, a hook or a Work; a registered comm hook is not kept.
         for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
             state.pop(key, None)
+        state.pop("nonfinite", None)  # rebuilt with the runtime (engine/finite.py)
         state.pop("env_tracer", None)  # a tracer belongs to a process
         state.pop("_join_announcement", None)
         state["_args"] = self._args.without_groups()

@@ -129,3 +129,4 @@ def shadow_backward(ddp: DistributedDataParallel) -> None:
     reducer.fingerprint.check()
     if reducer.votes_unused():
         dist.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), group=reducer.group)
+    ddp.nonfinite.end_step()  # the others' check of non-finite gradients (engine/finite.py)

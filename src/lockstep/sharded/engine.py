@@ -21,6 +21,7 @@ from torch import nn
 from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB
 from lockstep.engine.checks import verify_same_parameters
+from lockstep.engine.finite import FiniteGuard, flat_params
 from lockstep.engine.replicas import broadcast_module
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
@@ -45,6 +46,8 @@ class ShardedDataParallel(nn.Module):
         first_bucket_cap_mb: stages 1 and 2: cap of the first bucket, in MiB.
         wrap: stage 3: module classes whose instances are gathered and freed as units.
         prefetch: stage 3: start the next unit's all-gather before the current one runs.
+        nonfinite: "raise", "skip" or "off": what a step whose gradients hold NaN or inf
+            on some rank does (`lockstep.engine.finite`, docs/engine.md).
 
     Raises:
         ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
@@ -62,8 +65,10 @@ class ShardedDataParallel(nn.Module):
         first_bucket_cap_mb: float = 1,
         wrap: Sequence[type] | None = None,
         prefetch: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__()
+        self._nonfinite_mode = nonfinite
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         check_arguments(module, setting, wrap, process_group)
@@ -119,10 +124,15 @@ class ShardedDataParallel(nn.Module):
         collective = make_collective(
             self.stage, self.process_group, self.ctx.world_size, self.ctx.local_world_size
         )
+        trainable = [flat for flat in self.flats if flat.trainable]
+        self.nonfinite = FiniteGuard(  # engine/finite.py: checked per flat, decided at the end
+            self._nonfinite_mode, self.process_group, self.ctx.rank, flat_params(trainable),
+            self._drop_grads,
+        )  # fmt: skip
         scheduler = self.scheduler
         return GradSync(
-            [flat for flat in self.flats if flat.trainable],
-            collective,
+            trainable,
+            self.nonfinite.wrap(collective),
             self.ctx.rank,
             keep_full_grad=self.stage == 1,
             after_grad=(lambda flat: flat.free()) if scheduler else (lambda flat: None),
@@ -168,6 +178,12 @@ class ShardedDataParallel(nn.Module):
             self.scheduler.free_all()
         if self.grad_sync.launched:
             self._params_stale = True
+            self.nonfinite.end_step()  # raises or drops the gradients (engine/finite.py)
+
+    def _drop_grads(self) -> None:
+        for flat in self.flats:
+            flat.shard.grad = None
+            flat.full.grad = None
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record forward, backward and every collective into `timeline` (None: stop)."""
