@@ -104,13 +104,19 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save() expected a step that is an int >= 0; found {step!r}")
-        progress.note(progress.Phase.CHECKPOINT, step, label=f"Checkpointer.save(step={step})")
-        model, optimizer = gather_for_save(model, optimizer)  # every rank, for sharded models
+        label = f"Checkpointer.save(step={step})"
+        with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
+            components = {"model": model, "optimizer": optimizer}
+            components.update(sampler=sampler, scheduler=scheduler)
+            return self._save(step, components, extra)
+
+    def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+        # Every rank gathers (sharded models); rank 0 writes.
+        model, optimizer = gather_for_save(components["model"], components["optimizer"])
         states = self._gather_rng()
         error = None
         if self.rank == 0:
-            components = {"model": model, "optimizer": optimizer, "sampler": sampler}
-            components["scheduler"] = scheduler
+            components = {**components, "model": model, "optimizer": optimizer}
             error = self._write(step, components, states, extra)
         self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
         error = self._from_rank0(error)
