@@ -81,10 +81,11 @@ def test_a_frozen_rank_is_named_frozen_and_ended_within_lockstep_s_bound(tmp_pat
     assert took <= STALL_S + 20, f"the run ended {took:.1f} s after rank 1 froze:\n{log}"
 
 
-def test_under_torchrun_the_stall_bound_ends_the_run_naming_the_frozen_rank(tmp_path):
+def test_under_torchrun_the_stall_bound_ends_the_run_naming_the_stuck_rank(tmp_path):
+    # A sleeping rank, not a frozen one: torchrun would wait its own 30 s to kill a frozen one.
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv = [*torchrun, "--nproc-per-node", "2", SCRIPT, "--out", str(out), "--freeze"]
+    argv = [*torchrun, "--nproc-per-node", "2", SCRIPT, "--out", str(out)]
     argv += ["--hang-rank", "1", "--hang-step", "3"]
     bounds = {"LOCKSTEP_STALL_WARN_S": "1", "LOCKSTEP_STALL_TIMEOUT_S": "4"}
     env = {**os.environ, **bounds, "OMP_NUM_THREADS": "1"}
@@ -95,4 +96,5 @@ def test_under_torchrun_the_stall_bound_ends_the_run_naming_the_frozen_rank(tmp_
     assert "[rank 0]: waited" in log and "rank(s) 1 have not launched it" in log, log
     root_cause = log[log.index("Root Cause") :]
     assert "stuck: rank(s) 1 have not launched it" in root_cause, log
+    assert "(rank 1: not waiting in any lockstep collective)" in root_cause, log
     assert "rank 0 only waited for them" in root_cause, log

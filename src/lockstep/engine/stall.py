@@ -57,6 +57,7 @@ class StallInspector:
         self.end_s = end_s
         self.current: _Wait | None = None
         self.last_message = ""  # the last warning logged, for tests and post-mortems
+        self.lock = threading.Lock()  # a post and its withdrawal never cross
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-stall", daemon=True)
         self._thread.start()
@@ -74,8 +75,9 @@ class StallInspector:
                 continue
             age = time.monotonic() - wait.since
             try:
-                if not wait.posted and age >= first / 2:
-                    _post(wait)
+                with self.lock:
+                    if self.current is wait and not wait.posted and age >= first / 2:
+                        _post(wait)
                 if age >= self.warn_s * (wait.logged + 1):
                     wait.logged += 1
                     self.last_message = _warn(wait, age)
@@ -101,6 +103,13 @@ def _post(wait: _Wait) -> None:
     if store is not None:
         store.set(KEY.format(rank=_my_rank()), f"{wait.what}\n{wait.what}")
     wait.posted = True
+
+
+def _withdraw(wait: _Wait) -> None:
+    """The wait is over: remove its post, so no rank reads it as where this one is now."""
+    store = _store()
+    if store is not None and wait.posted:
+        store.delete_key(KEY.format(rank=_my_rank()))
 
 
 def _others(wait: _Wait) -> dict[int, str | None]:
@@ -201,8 +210,11 @@ def wait(
     what = f"{kind} {index} of step {step}" if index >= 0 else f"{kind} of step {step}"
     watch = inspector()
     with progress.during(progress.Phase.WAITING, step, index, what):
-        watch.current = _Wait(what, step, group, time.monotonic())
+        mine = watch.current = _Wait(what, step, group, time.monotonic())
         try:
             handle.wait()
         finally:
-            watch.current = None
+            with watch.lock:
+                watch.current = None
+                if mine.posted:
+                    _withdraw(mine)
