@@ -71,6 +71,7 @@ class ShardedDataParallel(nn.Module):
         self._nonfinite_mode = nonfinite
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
+        setting["nonfinite"] = nonfinite  # every rank must end a non-finite step alike
         check_arguments(module, setting, wrap, process_group)
         self.module, self.stage, self.process_group = module, stage, process_group
         self._sync_grads = True
