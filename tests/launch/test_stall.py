@@ -59,6 +59,7 @@ def test_a_rank_out_of_data_that_saves_a_checkpoint_is_named_first(tmp_path):
     assert "rank 1 (node 0" in _first_failure(log), log
     assert "inside Checkpointer.save(step=5)" in log
     assert "in save" in log  # rank 1's stack is inside Checkpointer.save
+    assert "left the training loop early (it ran out of data)" in log, log
     assert "rank 0 waiting on gradient bucket 0 of step 6" in log
     assert took <= STALL_S + 15, f"the run ended {took:.1f} s after rank 1 left the loop:\n{log}"
 
@@ -69,6 +70,7 @@ def test_a_save_that_finished_is_not_blamed_for_a_later_stall(tmp_path):
     where = "after step 3 (synchronised), before step 4's backward"
     assert f"rank 1 stopped making progress ({where})" in log, log
     assert "inside Checkpointer.save" not in log, log
+    assert "ran out of data" not in log, log  # the advice fits where rank 1 is
 
 
 def test_a_frozen_rank_is_named_frozen_and_ended_within_lockstep_s_bound(tmp_path):

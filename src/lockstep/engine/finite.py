@@ -148,7 +148,7 @@ def describe(everyone: list[list[Finding]], step: int, rank: int) -> str:
         + (f" (and {len(found) - 1} more parameter(s))" if len(found) > 1 else "")
         for found in bad
     )
-    ranks = ", ".join(str(found[0].rank) for found in bad) or "none (the sum overflowed)"
+    ranks = ", ".join(str(found[0].rank) for found in bad)
     finite = [str(r) for r, found in enumerate(everyone) if not found]
     return (
         f"non-finite gradients at synchronised step {step}, found in rank(s) {ranks}'s own "

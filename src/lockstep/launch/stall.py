@@ -107,7 +107,7 @@ class StallWatch:
             advice = _frozen_advice(worker.global_rank, where, waits)
         else:
             stack = self._dump(worker)
-            advice = _advice(worker.global_rank, where, waits)
+            advice = _advice(worker.global_rank, record, waits)
         return WorkerFailure(
             rank=worker.global_rank,
             local_rank=worker.local_rank,
@@ -227,13 +227,22 @@ def _waiter(
     )
 
 
-def _advice(rank: int, where: str, waits: dict[int, Record | None]) -> str:
+def _advice(rank: int, record: Record | None, waits: dict[int, Record | None]) -> str:
+    """What to do, for where the stuck rank is: a save the others are not in, or elsewhere."""
     waiting = ", ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
+    if record is not None and record.phase == Phase.CHECKPOINT:
+        cause = (
+            "A rank that saves while the others still train left the training loop early "
+            "(it ran out of data): give every rank the same number of batches "
+            "(lockstep.shard) or use Join."
+        )
+    else:
+        cause = (
+            "A rank blocked in I/O, a lock, its data loader or a rank-only branch needs that fixed."
+        )
     return (
-        f"rank {rank} stopped making progress ({where}) while the others waited for it: "
-        f"{waiting}. What to do: the stack above shows where rank {rank} is. A rank that "
-        "left the training loop early (it ran out of data, then saved a checkpoint or "
-        "exited) needs the same number of batches on every rank (lockstep.shard) or "
-        "Join; a rank blocked in I/O, a lock or a rank-only branch needs that fixed. "
-        "Raise --stall-timeout if a rank legitimately works alone longer (evaluation)."
+        f"rank {rank} stopped making progress ({_where(record)}) while the others waited "
+        f"for it: {waiting}. What to do: the stack above shows where rank {rank} is. "
+        f"{cause} Raise --stall-timeout if a rank legitimately works alone longer "
+        "(evaluation)."
     )
