@@ -67,6 +67,8 @@ def bucket_of(flat: FlatParam, collective: BucketCollective, rank: int) -> Shard
         flat.index, [flat.shard], [flat.index], grad, [grad], collective.averaging(grad.dtype)
     )
     bucket.found(grad)
+    while hasattr(collective, "inner"):  # a wrapper (the non-finite check): what it wraps
+        collective = collective.inner
     if isinstance(collective, ReduceScatterMean):
         bucket.shard_grad = torch.empty_like(flat.shard)
     else:
