@@ -157,7 +157,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             self._args, self.process_group, self.ctx.world_size
         )
         self._mp = self._build_mixed_precision()
-        self.reducer.observers.append(lambda _: self.nonfinite.end_step())  # after _mp's
+        self.reducer.end_of_step.append(self.nonfinite.end_step)  # after _mp's observer
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()

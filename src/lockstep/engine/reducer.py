@@ -81,6 +81,7 @@ class Reducer:
         self.find_unused = find_unused
         self.grad_as_view = gradient_as_bucket_view
         self.observers: list[StepObserver] = []
+        self.end_of_step: list[Callable[[], None]] = []  # after observers: engine/finite.py
         self.steps = 0
         self.last_stats: StepStats | None = None
         self.step: StepState | None = None  # None outside a synchronised backward
@@ -292,6 +293,8 @@ class Reducer:
         )
         for observe in self.observers:
             observe(self.last_stats)
+        for action in self.end_of_step:  # may raise on every rank (engine/finite.py)
+            action()
 
     def votes_unused(self) -> bool:
         """Whether a step ends with the vote on used parameters (Join shadows it too)."""
