@@ -16,7 +16,9 @@ communication; bytes each rank really sent per step (/proc/self/io wchar, which
 counts socket writes) against the ring figure 2(N-1)/N x gradient bytes; and
 per-gradient-tensor overhead at world size 1, (T_engine - T_plain) / tensors; and
 the cost of the step fingerprint: lockstep with it (the default) over lockstep
-with it switched off, in the same alternating phases ("fp on/off" column).
+with it switched off, in the same alternating phases ("fp on/off" column); and the
+cost of the non-finite check (`runtime/finite.py`): the default over nonfinite="off"
+("finite on/off" column).
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class Runner:
         self.group = group
         self.micro = 2 if variant == "toggle_sync" else 1
         extra = {"static_graph": True} if variant == "static_graph" else {}
-        if kind in ("lockstep", "lockstep_nofp"):
+        if kind == "lockstep_nocheck":
+            extra = {**extra, "nonfinite": "off"}
+        if kind in ("lockstep", "lockstep_nofp", "lockstep_nocheck"):
             self.model = lockstep.DistributedDataParallel(self.model, process_group=group, **extra)
         if kind == "lockstep_nofp":  # a world of one makes the fingerprint a no-op
             self.model.reducer.driver.fingerprint = StepFingerprint(group, dist.get_rank(group), 1)
@@ -74,7 +78,7 @@ class Runner:
             self.workload.loss(self.model(batch[0]), batch[1]).backward()
             return
         for k in range(self.micro):  # the attribute, as training loops toggle it
-            if self.kind in ("lockstep", "lockstep_nofp", "torch"):
+            if self.kind in ("lockstep", "lockstep_nofp", "lockstep_nocheck", "torch"):
                 self.model.require_backward_grad_sync = k == self.micro - 1
             self.workload.loss(self.model(batch[0]), batch[1]).backward()
 
@@ -117,6 +121,7 @@ def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> 
     runners = {
         "lockstep": Runner("lockstep", name, None, v),
         "lockstep_nofp": Runner("lockstep_nofp", name, None, v),
+        "lockstep_nocheck": Runner("lockstep_nocheck", name, None, v),
         "torch": Runner("torch", name, None, v),
         "plain": Runner("plain", name, None, v),
         "after": Runner("after", name, None, v),
@@ -158,6 +163,10 @@ def summarize(raw: dict, world: int) -> dict:
         _median(a) / _median(b)
         for a, b in zip(times["lockstep"], times["lockstep_nofp"], strict=True)
     ]
+    check_ratios = [
+        _median(a) / _median(b)
+        for a, b in zip(times["lockstep"], times["lockstep_nocheck"], strict=True)
+    ]
     span = med["after"] - med["plain"]
     overlap = {
         k: (med["after"] - med[k]) / span if span > 0 else float("nan")
@@ -169,6 +178,7 @@ def summarize(raw: dict, world: int) -> dict:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "fingerprint_ratio": (_median(fp_ratios), min(fp_ratios), max(fp_ratios)),
+        "finite_ratio": (_median(check_ratios), min(check_ratios), max(check_ratios)),
         "ms": {k: 1e3 * v for k, v in med.items()},
         "overlap": overlap,
         "sent_per_step": {k: _median(raw["sent"][k]) for k in ("lockstep", "torch")},
@@ -184,19 +194,20 @@ def table(rows: dict) -> str:
     lines = [
         "| workload | N | ratio median (min-max) | ms/step lockstep / torch / no comm / after bwd"
         " | overlap lockstep / torch | MB sent/step lockstep / torch / ring | us/tensor lockstep"
-        " / torch | fp on/off median (min-max) |",
-        "|---|---|---|---|---|---|---|---|",
+        " / torch | fp on/off median (min-max) | finite on/off median (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (name, world), r in rows.items():
         ms, ov, sent = r["ms"], r["overlap"], r["sent_per_step"]
-        fp = r["fingerprint_ratio"]
+        fp, fin = r["fingerprint_ratio"], r["finite_ratio"]
         lines.append(
             f"| {name} | {world} | {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-"
             f"{r['ratio_max']:.3f}) | {ms['lockstep']:.1f} / {ms['torch']:.1f} / "
             f"{ms['plain']:.1f} / {ms['after']:.1f} | {ov['lockstep']:.0%} / {ov['torch']:.0%} | "
             f"{sent['lockstep'] / 1e6:.2f} / {sent['torch'] / 1e6:.2f} / "
             f"{r['ring_bytes'] / 1e6:.2f} | {r['us_per_tensor']['lockstep']:.1f} / "
-            f"{r['us_per_tensor']['torch']:.1f} | {fp[0]:.3f} ({fp[1]:.3f}-{fp[2]:.3f}) |"
+            f"{r['us_per_tensor']['torch']:.1f} | {fp[0]:.3f} ({fp[1]:.3f}-{fp[2]:.3f}) | "
+            f"{fin[0]:.3f} ({fin[1]:.3f}-{fin[2]:.3f}) |"
         )
     return "\n".join(lines)
 

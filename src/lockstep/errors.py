@@ -26,3 +26,7 @@ class UnusedParametersError(LockstepError):
 
 class CheckpointError(LockstepError):
     """A checkpoint cannot be written or read."""
+
+
+class NonFiniteGradientError(LockstepError):
+    """A rank's gradients held NaN or inf at a synchronised step (`runtime/finite.py`)."""

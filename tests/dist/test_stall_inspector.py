@@ -3,8 +3,9 @@
 Real gloo ranks from `run_ranks` (no lockstep launcher): rank 1 pauses before its
 backward at one step while rank 0 waits on its gradient bucket. Rank 0's stall
 inspector (warning period 0.4 s) must post its wait to the store, read rank 1's
-absence, and name rank 1 in its message and in its progress record. The launcher's
-own decision (`StallWatch.check`) is checked on real progress files.
+absence, and name rank 1 in its message and in its progress record; once the wait
+is over, its post is withdrawn (a stale one would tell the others it still waits).
+The launcher's own decision (`StallWatch.check`) is checked on real progress files.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lockstep.launch.stall import StallWatch
 from lockstep.testing import run_ranks
 
 
-def _pause_rank1_at_step(ctx, pause_step: int, pause_s: float) -> tuple[str, list[torch.Tensor]]:
+def _pause_rank1_at_step(ctx, pause_step: int, pause_s: float) -> tuple:
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(nn.Linear(4, 2))
     for step in range(3):
@@ -30,7 +31,13 @@ def _pause_rank1_at_step(ctx, pause_step: int, pause_s: float) -> tuple[str, lis
             time.sleep(pause_s)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step + 10 * ctx.rank))
         model(x).sum().backward()
-    return waits.inspector().last_message, [p.grad.clone() for p in model.parameters()]
+    still_posted = waits._store().check([waits.KEY.format(rank=ctx.rank)])
+    return (
+        waits.inspector().last_message,
+        [p.grad.clone() for p in model.parameters()],
+        still_posted,
+        progress.current().phase,
+    )
 
 
 def test_a_waiting_rank_names_the_rank_that_has_not_launched_its_bucket():
@@ -39,6 +46,8 @@ def test_a_waiting_rank_names_the_rank_that_has_not_launched_its_bucket():
     message = results[0][0]
     assert "[rank 0]: waited" in message and "of step 3" in message, message
     assert "rank(s) 1 have not launched it" in message, message
+    assert results[0][2] is False  # the post ended with the wait
+    assert results[0][3] == Phase.SYNCHRONISED  # and so did the waiting phase
     # The pause changed nothing in the arithmetic: both ranks hold the same averaged gradients.
     for mine, theirs in zip(results[0][1], results[1][1], strict=True):
         assert torch.equal(mine, theirs)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.engine import stall
 from lockstep.errors import RankMismatchError
+from lockstep.runtime import waits
 
 
 class Block(nn.Module):
@@ -124,7 +124,7 @@ def stall_and_fingerprint(ctx, device: str) -> dict:
         if ctx.rank == 1 and step == 2:
             time.sleep(2.5)
         ddp(torch.randn(3, 8, device=device)).sum().backward()
-    message = stall.inspector().last_message
+    message = waits.inspector().last_message
     if ctx.rank == 0:
         with ddp.no_sync():
             ddp(torch.randn(3, 8, device=device)).sum().backward()

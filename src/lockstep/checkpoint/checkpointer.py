@@ -21,6 +21,7 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.files import CheckpointFiles
+from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
 from lockstep.checkpoint.sharded import gather_for_save, load_sharded
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.context import group_context
@@ -97,17 +98,25 @@ class Checkpointer:
 
         Raises:
             CheckpointError: on every rank, when rank 0 could not write (the message
-                names the directory and the reason) or the ranks timed out waiting for it.
+                names the directory and the reason), the state holds NaN or inf (it is
+                written aside, never committed: `checkpoint/finite.py`) or the ranks timed
+                out waiting for rank 0.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save() expected a step that is an int >= 0; found {step!r}")
-        progress.note(progress.Phase.CHECKPOINT, step, label=f"Checkpointer.save(step={step})")
-        model, optimizer = gather_for_save(model, optimizer)  # every rank, for sharded models
+        label = f"Checkpointer.save(step={step})"
+        with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
+            components = {"model": model, "optimizer": optimizer}
+            components.update(sampler=sampler, scheduler=scheduler)
+            return self._save(step, components, extra)
+
+    def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+        # Every rank gathers (sharded models); rank 0 writes.
+        model, optimizer = gather_for_save(components["model"], components["optimizer"])
         states = self._gather_rng()
         error = None
         if self.rank == 0:
-            components = {"model": model, "optimizer": optimizer, "sampler": sampler}
-            components["scheduler"] = scheduler
+            components = {**components, "model": model, "optimizer": optimizer}
             error = self._write(step, components, states, extra)
         self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
         error = self._from_rank0(error)
@@ -121,6 +130,10 @@ class Checkpointer:
         """Rank 0's part of a save; returns an error message instead of raising."""
         try:
             payload = build_payload(step, self.world_size, components, states, extra)
+            found = first_nonfinite(payload)  # never commit NaN/inf (checkpoint/finite.py)
+            if found is not None:
+                aside = write_aside(self.directory, step, payload)
+                return refusal(step, found, aside, self.files.committed_step()[0])
             self.files.write(step, payload)
         except CheckpointError as error:
             return f"rank 0 could not save step {step}: {error}"

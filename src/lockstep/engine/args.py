@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.runtime.bucketing import MB
+from lockstep.runtime.finite import NonFinite
 from lockstep.runtime.transport import NATIVE
 
 DEFAULT_CAP_MB = 25
@@ -59,8 +60,10 @@ class DDPArguments:
     allreduce: str = NATIVE
     local_world_size: int | None = None
     check_data_passes: bool = True
+    nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
+        NonFinite.parse(self.nonfinite)  # ValueError naming the choices, on every rank
         if (self.delay_all_reduce_named_params is None) != (self.param_to_hook_all_reduce is None):
             raise ValueError(
                 "delay_all_reduce_named_params and param_to_hook_all_reduce must be given "

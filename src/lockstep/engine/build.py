@@ -17,6 +17,7 @@ from lockstep.engine.args import DDPArguments
 from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
 from lockstep.engine.reducer import BucketCaps, Reducer
 from lockstep.runtime.bucket_collective import AllReduceMean, BucketCollective, SkipUnusedBuckets
+from lockstep.runtime.finite import FiniteGuard, bucket_params
 from lockstep.runtime.transport import Transport
 
 
@@ -25,10 +26,26 @@ def with_skip(args: DDPArguments, collective: BucketCollective) -> BucketCollect
     return SkipUnusedBuckets(collective) if args.skip_all_reduce_unused_params else collective
 
 
+def build_nonfinite(
+    args: DDPArguments, ctx: DistContext, named: list[tuple[str, nn.Parameter]], module: nn.Module
+) -> FiniteGuard:
+    """The check of non-finite gradients (`runtime/finite.py`), in the mode asked for."""
+
+    def drop_grads() -> None:
+        for param in module.parameters():
+            param.grad = None
+
+    locate = bucket_params([name for name, _ in named])
+    return FiniteGuard(args.nonfinite, args.group, ctx.rank, locate, drop_grads)
+
+
 def build_reducer(
-    args: DDPArguments, ctx: DistContext, named: list[tuple[str, nn.Parameter]]
+    args: DDPArguments,
+    ctx: DistContext,
+    named: list[tuple[str, nn.Parameter]],
+    guard: FiniteGuard,
 ) -> Reducer:
-    """The reducer over `named` with the collective the arguments ask for."""
+    """The reducer over `named` with the collective the arguments ask for, checked by `guard`."""
     transport = Transport(args.group, args.allreduce, args.local_world_size or ctx.local_world_size)
     mp = args.mixed_precision
     collective: BucketCollective = AllReduceMean(transport, ctx.world_size, args.batched_grad_copy)
@@ -38,7 +55,7 @@ def build_reducer(
         )
     return Reducer(
         named,
-        with_skip(args, collective),
+        guard.wrap(with_skip(args, collective)),
         process_group=args.group,
         ctx=ctx,
         caps=BucketCaps(*args.caps_bytes()),

@@ -31,7 +31,7 @@ from lockstep.engine.args import (
     managed_parameters,
 )
 from lockstep.engine.buffers import BufferSync
-from lockstep.engine.build import build_mixed_precision, build_reducer, with_skip
+from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
 from lockstep.engine.static_graph import StaticGraph
@@ -87,6 +87,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         allreduce: str = NATIVE,
         local_world_size: int | None = None,
         check_data_passes: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -96,7 +97,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             static_graph, delay_all_reduce_named_params, param_to_hook_all_reduce,
             mixed_precision, device_mesh, skip_all_reduce_unused_params, bucket_cap_mb_list,
             batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, allreduce,
-            local_world_size, check_data_passes,
+            local_world_size, check_data_passes, nonfinite,
         )  # fmt: skip
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
@@ -139,12 +140,14 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self.process_group = self._args.group
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
-        self.reducer = build_reducer(self._args, self.ctx, named)
+        self.nonfinite = build_nonfinite(self._args, self.ctx, named, self.module)
+        self.reducer = build_reducer(self._args, self.ctx, named, self.nonfinite)
         self._delayed: DelayedAllReduce | None = build_delayed(
             self._args, self.process_group, self.ctx.world_size
         )
         params = [p for _, p in self.named_state(buffers=False)]
         self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
+        self.reducer.driver.end_of_step.append(self.nonfinite.end_step)  # after _mp's restore
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()
@@ -165,7 +168,16 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             )
         state = dict(self.__dict__)
         # What holds a group, a hook or a Work; a registered comm hook is not kept.
-        for key in ("process_group", "ctx", "reducer", "_delayed", "_static", "_mp", "_hooked"):
+        for key in (
+            "process_group",
+            "ctx",
+            "reducer",
+            "nonfinite",
+            "_delayed",
+            "_static",
+            "_mp",
+            "_hooked",
+        ):
             state.pop(key, None)
         state.pop("env_tracer", None)  # a tracer belongs to a process
         state.pop("join_announcement", None)
@@ -253,7 +265,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
                 "register_comm_hook can only be called once; a hook is already registered"
             )
         self._hooked = True
-        self.reducer.set_collective(with_skip(self._args, CommHookCollective(hook, state)))
+        hooked = CommHookCollective(hook, state)
+        self.reducer.set_collective(self.nonfinite.wrap(with_skip(self._args, hooked)))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""

@@ -144,3 +144,4 @@ def shadow_backward(ddp: JoinTarget) -> None:
     driver.fingerprint.check()
     if reducer.votes_unused():
         dist.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), group=reducer.group)
+    ddp.nonfinite.end_step()  # the others' check of non-finite gradients (runtime/finite.py)

@@ -113,7 +113,9 @@ class LockstepAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._watchdog.pet("stopping the workers", self._shutdown_timeout)
-        super()._stop_workers(worker_group)
+        # torch's _stop_workers waits its own default (30 s) before SIGKILL; ours is the
+        # run's shutdown timeout (a frozen worker cannot act on SIGTERM, so it waits it all).
+        self._shutdown(timeout=self._shutdown_timeout)
         self._watchdog.pet("stopped the workers")
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

@@ -29,7 +29,7 @@ from typing import Any
 from lockstep.env import read_variable
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
-PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # engine.progress reads it too
+PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # runtime.progress reads it too
 _PR_SET_PDEATHSIG = 1
 
 

@@ -6,7 +6,9 @@ has progressed for `timeout_s` while at least one of them waits in a collective,
 run is stalled: the workers that are not waiting are the stuck ones. Each gets
 SIGUSR2, which makes faulthandler (armed by `lockstep.launch.bootstrap`) write its
 Python stack to a file; the stuck rank becomes the first failure, with that stack,
-and the waiting ranks its echoes, with what they wait on.
+and the waiting ranks its echoes, with what they wait on. A stuck worker that is
+stopped (state T in /proc/<pid>/stat: SIGSTOP, Ctrl-Z, a debugger) cannot write a
+stack; it is named as frozen instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lockstep.runtime.progress import Phase, Record
 DUMP_SIGNAL = signal.SIGUSR2
 STACK_LINES = 40
 DUMP_WAIT_S = 3.0
+FROZEN_STATES = ("T", "t")  # stopped by a signal; stopped by a tracer
 OTHER_NODE_GRACE_S = 10.0  # every local rank waits: give the stuck rank's node time to report
 
 
@@ -98,8 +101,13 @@ class StallWatch:
         host: str,
     ) -> WorkerFailure:
         where = _where(record)
-        advice = _advice(worker.global_rank, where, waits)
-        stack = self._dump(worker)
+        frozen = _frozen(worker)
+        if frozen:
+            stack = [f"(no stack: a stopped process cannot write one; {frozen})"]
+            advice = _frozen_advice(worker.global_rank, where, waits)
+        else:
+            stack = self._dump(worker)
+            advice = _advice(worker.global_rank, record, waits)
         return WorkerFailure(
             rank=worker.global_rank,
             local_rank=worker.local_rank,
@@ -107,7 +115,7 @@ class StallWatch:
             host=host,
             pid=worker.id or 0,
             how=f"stalled: no progress for {quiet:.0f} s (--stall-timeout {self.timeout_s:g})",
-            message=f"made no progress, last {where}",
+            message=f"{'is frozen' if frozen else 'made no progress'}, last {where}",
             traceback=[*stack, advice],
             detected=time.time(),
         )
@@ -148,7 +156,9 @@ class StallWatch:
                 f"collective ({waiting}): the stuck rank is on another node; see its log."
             )
         names = ", ".join(
-            f"rank {w.global_rank} (last {_where(records[w.local_rank])})" for w in stuck
+            f"rank {w.global_rank} ({'frozen, ' if _frozen(w) else ''}"
+            f"last {_where(records[w.local_rank])})"
+            for w in stuck
         )
         return f"stalled: no progress for {quiet:.0f} s. Stuck: {names}. Waiting: {waiting}."
 
@@ -163,6 +173,34 @@ def _current_thread_first(dump: str) -> list[str]:
             blocks[-1].append(line)
     blocks.sort(key=lambda block: not block[0].startswith("Current thread"))
     return [line for block in blocks for line in block]
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of `pid` in /proc/<pid>/stat (R, S, D, T...); None when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # after the command, which may hold spaces
+    return fields[0] if fields else None
+
+
+def _frozen(worker: Worker) -> str:
+    """'/proc/<pid>/stat says T (stopped)' when the worker is stopped, else ''."""
+    state = process_state(worker.id) if worker.id else None
+    if state not in FROZEN_STATES:
+        return ""
+    return f"/proc/{worker.id}/stat says state {state} (stopped)"
+
+
+def _frozen_advice(rank: int, where: str, waits: dict[int, Record | None]) -> str:
+    waiting = ", ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
+    return (
+        f"rank {rank} is frozen ({where}): its process is stopped, not running, while the "
+        f"others waited for it: {waiting}. What to do: find what stopped it (a SIGSTOP, a "
+        "Ctrl-Z in its terminal, a debugger attached, the node's cgroup freezer or a "
+        "suspended VM); `kill -CONT <pid>` resumes a process stopped by a signal."
+    )
 
 
 def _is_waiting(record: Record | None) -> bool:
@@ -189,13 +227,22 @@ def _waiter(
     )
 
 
-def _advice(rank: int, where: str, waits: dict[int, Record | None]) -> str:
+def _advice(rank: int, record: Record | None, waits: dict[int, Record | None]) -> str:
+    """What to do, for where the stuck rank is: a save the others are not in, or elsewhere."""
     waiting = ", ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
+    if record is not None and record.phase == Phase.CHECKPOINT:
+        cause = (
+            "A rank that saves while the others still train left the training loop early "
+            "(it ran out of data): give every rank the same number of batches "
+            "(lockstep.shard) or use Join."
+        )
+    else:
+        cause = (
+            "A rank blocked in I/O, a lock, its data loader or a rank-only branch needs that fixed."
+        )
     return (
-        f"rank {rank} stopped making progress ({where}) while the others waited for it: "
-        f"{waiting}. What to do: the stack above shows where rank {rank} is. A rank that "
-        "left the training loop early (it ran out of data, then saved a checkpoint or "
-        "exited) needs the same number of batches on every rank (lockstep.shard) or "
-        "Join; a rank blocked in I/O, a lock or a rank-only branch needs that fixed. "
-        "Raise --stall-timeout if a rank legitimately works alone longer (evaluation)."
+        f"rank {rank} stopped making progress ({_where(record)}) while the others waited "
+        f"for it: {waiting}. What to do: the stack above shows where rank {rank} is. "
+        f"{cause} Raise --stall-timeout if a rank legitimately works alone longer "
+        "(evaluation)."
     )

@@ -2,9 +2,11 @@
 
 The engine calls `note(phase, step, ...)` a few times per synchronised step: backward
 began, a bucket is being waited on, the step is synchronised; `Checkpointer.save`
-notes its own phase. Under `lockstep run` the record lives in a small memory-mapped
-file (`$LOCKSTEP_PROGRESS_DIR/<local rank>.progress`), so a note is a struct write
-into shared memory: no system call, no store round trip. The launcher's stall watch
+notes its own phase. A phase with an end (a wait, a save) is noted with `during`,
+which notes the phase before it again when it ends, so no record outlives its phase.
+Under `lockstep run` the record lives in a small memory-mapped file
+(`$LOCKSTEP_PROGRESS_DIR/<local rank>.progress`), so a note is a struct write into
+shared memory: no system call, no store round trip. The launcher's stall watch
 (`lockstep.launch.stall`) reads these files. Without the variable the record stays
 in this process's memory (other launchers), where the stall inspector reads it.
 """
@@ -16,6 +18,8 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,12 +99,13 @@ class Progress:
         self.seq = 0
         self.step = 0
         self.phase = Phase.STARTING
+        self.index = -1
         self.label = ""
 
     def note(self, phase: Phase, step: int, index: int = -1, label: str = "") -> None:
         """Record progress: `phase` of `step` begins now (bumps the sequence number)."""
         self.seq += 1
-        self.step, self.phase = step, phase
+        self.step, self.phase, self.index = step, phase, index
         if label != self.label:
             self.set_label(label)
         _HEAD.pack_into(self._buf, 0, self.seq, step, int(phase), index, time.time())
@@ -132,3 +137,15 @@ def current() -> Progress:
 def note(phase: Phase, step: int, index: int = -1, label: str = "") -> None:
     """Record progress in this process's record (see `Progress.note`)."""
     current().note(phase, step, index, label)
+
+
+@contextmanager
+def during(phase: Phase, step: int, index: int = -1, label: str = "") -> Iterator[None]:
+    """Note `phase` for the block; when it ends (or raises), note the phase before it again."""
+    record = current()
+    before = (record.phase, record.step, record.index, record.label)
+    record.note(phase, step, index, label)
+    try:
+        yield
+    finally:
+        record.note(*before)

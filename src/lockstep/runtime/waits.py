@@ -8,12 +8,17 @@ and again every period, with the ranks that have not launched the same collectiv
 each waiting rank posts what it waits on to the process group's store (only then,
 never on the happy path) and reads the others' posts, as Horovod's stall inspector
 does. It works under any launcher; `lockstep run` additionally ends a stalled run.
+Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds a
+wait: past it the waiting rank exits, its message (and torchrun's error file)
+naming the rank(s) that never launched the collective, so the run ends blaming them.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -21,12 +26,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lockstep.env import read_seconds
+from lockstep.env import read_seconds, read_variable
 from lockstep.runtime import progress
 from lockstep.runtime.handles import CollectiveHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
 DEFAULT_WARN_S = 30.0
+END_VARIABLE = "LOCKSTEP_STALL_TIMEOUT_S"  # unset: waits end only at the group's timeout
+STALL_EXIT_CODE = 3
 KEY = "lockstep/stall/{rank}"
 log = logging.getLogger("lockstep.stall")
 
@@ -46,10 +53,12 @@ class _Wait:
 class StallInspector:
     """A daemon thread that wakes a few times per warning period while a wait is open."""
 
-    def __init__(self, warn_s: float) -> None:
+    def __init__(self, warn_s: float, end_s: float | None = None) -> None:
         self.warn_s = warn_s
+        self.end_s = end_s
         self.current: _Wait | None = None
         self.last_message = ""  # the last warning logged, for tests and post-mortems
+        self.lock = threading.Lock()  # a post and its withdrawal never cross
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-stall", daemon=True)
         self._thread.start()
@@ -59,18 +68,22 @@ class StallInspector:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
-        tick = max(0.05, min(1.0, self.warn_s / 4))
+        first = min(self.warn_s, self.end_s or self.warn_s)
+        tick = max(0.05, min(1.0, first / 4))
         while not self._stop.wait(tick):
             wait = self.current
             if wait is None:
                 continue
             age = time.monotonic() - wait.since
             try:
-                if not wait.posted and age >= self.warn_s / 2:
-                    _post(wait)
+                with self.lock:
+                    if self.current is wait and not wait.posted and age >= first / 2:
+                        _post(wait)
                 if age >= self.warn_s * (wait.logged + 1):
                     wait.logged += 1
                     self.last_message = _warn(wait, age)
+                if self.end_s is not None and age >= self.end_s:
+                    _end(wait, age, self.end_s)
             except Exception as error:  # the store may be gone; the wait itself reports
                 log.debug("stall inspector: %s", error)
 
@@ -91,6 +104,13 @@ def _post(wait: _Wait) -> None:
     if store is not None:
         store.set(KEY.format(rank=_my_rank()), f"{wait.what}\n{wait.what}")
     wait.posted = True
+
+
+def _withdraw(wait: _Wait) -> None:
+    """The wait is over: remove its post, so no rank reads it as where this one is now."""
+    store = _store()
+    if store is not None and wait.posted:
+        store.delete_key(KEY.format(rank=_my_rank()))
 
 
 def _others(wait: _Wait) -> dict[int, str | None]:
@@ -135,6 +155,27 @@ def _warn(wait: _Wait, age: float) -> str:
     return message
 
 
+def _end(wait: _Wait, age: float, end_s: float) -> None:
+    """Past LOCKSTEP_STALL_TIMEOUT_S: say who is missing, in torchrun's error file too; exit."""
+    missing = missing_line(wait, _others(wait))
+    blame = (
+        f"stuck: {missing}; rank {_my_rank()} only waited for them"
+        if missing
+        else "every rank of the group is waiting on it too (a rank on another path?)"
+    )
+    message = (
+        f"lockstep [rank {_my_rank()}]: ended the run after waiting {age:.0f} s on "
+        f"{wait.what} ({END_VARIABLE}={end_s:g}): {blame}. Their own logs show where they "
+        "stopped; a rank that is alive but stuck can be inspected with py-spy dump."
+    )
+    print(message, file=sys.stderr, flush=True)
+    error_file = read_variable("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # what torchrun prints as the failure's message
+        with open(error_file, "w") as fp:
+            json.dump({"message": message, "timestamp": int(time.time())}, fp)
+    os._exit(STALL_EXIT_CODE)  # the main thread is blocked inside the collective
+
+
 _inspector: StallInspector | None = None
 
 
@@ -143,7 +184,8 @@ def inspector() -> StallInspector:
     global _inspector
     if _inspector is None:
         warn_s = read_seconds(WARN_VARIABLE, DEFAULT_WARN_S)
-        _inspector = StallInspector(warn_s)
+        end = read_variable(END_VARIABLE)
+        _inspector = StallInspector(warn_s, read_seconds(END_VARIABLE, 1.0) if end else None)
         atexit.register(_inspector.stop)
     return _inspector
 
@@ -167,10 +209,13 @@ def wait(
     if handle.poll():
         return
     what = f"{kind} {index} of step {step}" if index >= 0 else f"{kind} of step {step}"
-    progress.note(progress.Phase.WAITING, step, index, what)
     watch = inspector()
-    watch.current = _Wait(what, step, group, time.monotonic())
-    try:
-        handle.wait()
-    finally:
-        watch.current = None
+    with progress.during(progress.Phase.WAITING, step, index, what):
+        mine = watch.current = _Wait(what, step, group, time.monotonic())
+        try:
+            handle.wait()
+        finally:
+            with watch.lock:
+                watch.current = None
+                if mine.posted:
+                    _withdraw(mine)

@@ -22,6 +22,7 @@ from lockstep.context import DistContext, group_context
 from lockstep.runtime import waits
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
+from lockstep.runtime.finite import FiniteGuard, NonFinite, flat_params
 from lockstep.runtime.replicate import broadcast_module
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import StepFigures, SyncToggle
@@ -50,6 +51,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         wrap: stage 3: module classes whose instances are gathered and freed as units.
         prefetch: stage 3: start the next unit's all-gather before the current one runs.
         check_data_passes: the step fingerprint compares passes over the data (as DDP's).
+        nonfinite: "raise", "skip" or "off": what a step whose gradients hold NaN or inf
+            on some rank does (`lockstep.runtime.finite`, docs/engine.md).
 
     Raises:
         ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
@@ -68,10 +71,12 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         wrap: Sequence[type] | None = None,
         prefetch: bool = True,
         check_data_passes: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__()
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
+        setting["nonfinite"] = NonFinite.parse(nonfinite).value  # every rank ends such a step alike
         check_arguments(module, setting, wrap, process_group)
         self.module, self.stage, self.process_group = module, stage, process_group
         self.require_backward_grad_sync = True
@@ -87,7 +92,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             specs = bucket_units(trainable, int(first_bucket_cap_mb * MB), int(bucket_cap_mb * MB))
         self.flats, units = self._build_flats(specs)
         self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
-        self.grad_sync = self._build_sync(check_data_passes)
+        self.grad_sync = self._build_sync(check_data_passes, nonfinite)
         self.timeline: Timeline | None = None
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
 
@@ -127,7 +132,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         root = next((u for u in units if u.module is None), None)
         return GatherScheduler(root, [u for u in units if u.module is not None], prefetch)
 
-    def _build_sync(self, check_data_passes: bool) -> GradSync:
+    def _build_sync(self, check_data_passes: bool, nonfinite: str) -> GradSync:
         ctx = self.ctx
         collective = make_collective(
             self.stage, self.process_group, ctx.world_size, ctx.local_world_size
@@ -135,7 +140,10 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         trainable = [flat for flat in self.flats if flat.trainable]
         if self.stage == 3:  # the last unit's gradient is ready first
             trainable.reverse()
-        return GradSync(
+        self.nonfinite = FiniteGuard(  # runtime/finite.py: checked per flat, decided at the end
+            nonfinite, self.process_group, ctx.rank, flat_params(trainable), self._drop_grads
+        )
+        sync = GradSync(
             trainable,
             collective,
             self.process_group,
@@ -146,6 +154,9 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             at_backward_end=self._at_backward_end,
             check_data_passes=check_data_passes,
         )
+        sync.driver.collective = self.nonfinite.wrap(collective)  # buckets laid out unwrapped
+        sync.driver.end_of_step.append(self.nonfinite.end_step)
+        return sync
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,6 +204,11 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             self.scheduler.free_all()
         if synchronised:
             self._params_stale = True
+
+    def _drop_grads(self) -> None:
+        for flat in self.flats:
+            flat.shard.grad = None
+            flat.full.grad = None
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record forward, backward and every collective into `timeline` (None: stop)."""

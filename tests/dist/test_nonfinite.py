@@ -1,0 +1,98 @@
+"""Non-finite gradients are caught at their step, on the rank they appear, before averaging.
+
+Real gloo ranks and a real NaN: rank 1's loss is multiplied by NaN at synchronised
+step 5 of 7. By default every rank raises `NonFiniteGradientError` at step 5,
+naming rank 1 (and only it), the step and a parameter, and the parameters are
+bitwise those after step 4 (the NaN average never reached them). With
+nonfinite="skip" the run goes on and ends bitwise equal to an oracle run without
+the NaN whose script skips optimizer.step() at step 5 (torch's DDP for the DDP
+engine; the sharded engine with the check off for itself). With the check off,
+the NaN spreads to every rank (what torch's DDP does), which the tests would see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import MLP
+from torch import nn
+
+import lockstep
+from lockstep.errors import NonFiniteGradientError
+from lockstep.testing import run_ranks
+
+STEPS, NAN_STEP = 7, 5
+NAMES = ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias")
+
+
+def _wrap(engine: str, mode: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = MLP()
+    if engine == "torch":
+        return model, nn.parallel.DistributedDataParallel(model)
+    if engine == "ddp":
+        return model, lockstep.DistributedDataParallel(model, nonfinite=mode)
+    wrapped = lockstep.ShardedDataParallel(model, stage=int(engine[-1]), nonfinite=mode)
+    return wrapped, wrapped
+
+
+def _train(ctx, engine: str, mode: str, nan_step: int, skip_step: int, steps: int) -> dict:
+    """`steps` steps; rank 1's loss is NaN at `nan_step`; the script skips `skip_step`."""
+    model, wrapped = _wrap(engine, mode)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, steps + 1):
+        gen = torch.Generator().manual_seed(100 * step + ctx.rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        opt.zero_grad()
+        loss = ((wrapped(x) - y) ** 2).mean()
+        if ctx.rank == 1 and step == nan_step:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+        except NonFiniteGradientError as error:
+            return {"raised_at": step, "error": str(error), "state": _state(model)}
+        if step != skip_step:
+            opt.step()
+    skipped = getattr(wrapped, "nonfinite", None)
+    return {"state": _state(model), "skipped": skipped.skipped if skipped else None}
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def _raise_then_oracle(ctx, engine: str) -> dict:
+    caught = _train(ctx, engine, "raise", NAN_STEP, -1, STEPS)
+    caught["oracle"] = _train(ctx, engine, "off", -1, -1, NAN_STEP - 1)["state"]
+    return caught
+
+
+@pytest.mark.parametrize("engine", ["ddp", "sharded2", "sharded3"])
+def test_a_nan_on_rank_1_stops_every_rank_at_its_step_naming_rank_step_and_parameter(engine):
+    for rank, result in enumerate(run_ranks(_raise_then_oracle, 2, engine, deadline_s=120)):
+        assert result.get("raised_at") == NAN_STEP, (rank, result)
+        error = result["error"]
+        assert "step 5" in error and "rank(s) 1's own gradients" in error, error
+        assert "Ranks with finite gradients: 0." in error, error
+        assert f"raised on rank {rank}" in error, error
+        assert any(f"rank 1: '{name}' holds NaN" in error for name in NAMES), error
+        # Caught before the average: every rank still holds step 4's parameters.
+        for mine, oracle in zip(result["state"], result["oracle"], strict=True):
+            assert torch.equal(mine, oracle)
+            assert torch.isfinite(mine).all()
+
+
+def _skip_and_oracle(ctx, engine: str, oracle: str) -> dict:
+    return {
+        "skipped": _train(ctx, engine, "skip", NAN_STEP, -1, STEPS),
+        "oracle": _train(ctx, oracle, "off", -1, NAN_STEP, STEPS),
+    }
+
+
+@pytest.mark.parametrize(("engine", "oracle"), [("ddp", "torch"), ("sharded2", "sharded2")])
+def test_skip_mode_equals_a_run_that_skips_the_step_bitwise(engine, oracle):
+    for result in run_ranks(_skip_and_oracle, 2, engine, oracle, deadline_s=120):
+        run = result["skipped"]
+        assert "raised_at" not in run and run["skipped"] == 1, run
+        for mine, theirs in zip(run["state"], result["oracle"]["state"], strict=True):
+            assert torch.equal(mine, theirs)
