@@ -16,7 +16,7 @@ import lockstep
 ROOT = Path(lockstep.__file__).parent
 
 LAYERS = [
-    {"errors", "compiler"},
+    {"errors", "compiler", "torch_compat"},
     {"env", "agreement"},
     {"context"},
     {"collectives"},
