@@ -1,5 +1,7 @@
 """lockstep: distributed data-parallel training for PyTorch that you can read, measure and trust."""
 
+import os as _os
+
 from lockstep.checkpoint import Checkpointer
 from lockstep.context import DistContext, init, shutdown
 from lockstep.data import ShardedSampler, shard
@@ -8,6 +10,11 @@ from lockstep.engine.naive import NaiveDataParallel
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
 from lockstep.sharded import FSDP, ShardedDataParallel
+
+if _os.environ.get("LOCKSTEP_ENGINE"):  # torch's DDP builds lockstep's engine: docs/frameworks.md
+    from lockstep.adopt import install_from_env
+
+    install_from_env()
 
 __all__ = [
     "DDP",

@@ -67,6 +67,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
         RankMismatchError: ranks hold different parameters (raised on every rank).
     """
 
+    _reducer_type: type[Reducer] = Reducer  # a subclass may add calls (frameworks/torch_face.py)
+
     def __init__(
         self,
         module: nn.Module,
@@ -168,7 +170,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             collective = MixedPrecisionReduce(
                 transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
             )
-        return Reducer(
+        return self._reducer_type(
             named,
             self._with_skip(collective),
             process_group=self.process_group,
