@@ -9,7 +9,6 @@ gradients, saved files. Tiny models built in code, data made from seeds.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -198,16 +197,3 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
 CASES = {
     name.removeprefix("case_"): fn for name, fn in globals().items() if name.startswith("case_")
 }
-
-
-def run_all(ctx: Any, tmp: str, names: list[str]) -> dict[tuple[str, str], Any]:
-    """Every case with both engines in this rank; a case's exception is kept as text."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results: dict[tuple[str, str], Any] = {}
-    for name in names:
-        for engine in ENGINES:
-            try:
-                results[(name, engine)] = CASES[name](engine, ctx.rank, Path(tmp) / name)
-            except Exception as exc:  # reported by the test, per case
-                results[(name, engine)] = {"error": f"{type(exc).__name__}: {exc}"}
-    return results

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
+
+ENGINES = ("torch", "lockstep")
 
 
 def assert_same(ours: Any, theirs: Any, where: str) -> None:
@@ -35,3 +40,17 @@ def check_case(per_rank: list[dict], name: str, engines: tuple[str, str]) -> Non
         ours = {k: v for k, v in ours.items() if k not in drop}
         theirs = {k: v for k, v in theirs.items() if k not in drop}
         assert_same(ours, theirs, f"{name}@rank{rank}")
+
+
+def run_all(ctx: Any, tmp: str, cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """Each (module, case) with both engines in this rank; an exception is kept as text."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results: dict[tuple[str, str], Any] = {}
+    for module, name in cases:
+        case = importlib.import_module(module).CASES[name]
+        for engine in ENGINES:
+            try:
+                results[(name, engine)] = case(engine, ctx.rank, Path(tmp) / name)
+            except Exception as exc:  # reported by the test, per case
+                results[(name, engine)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results

@@ -10,17 +10,20 @@ from __future__ import annotations
 import accelerate_cases
 import pytest
 import torch
-from compare import check_case
+import trainer_cases
+from compare import check_case, run_all
 
 from lockstep.testing import run_ranks
 
-NAMES = list(accelerate_cases.CASES)
+CASES = [("accelerate_cases", name) for name in accelerate_cases.CASES]
+CASES += [("trainer_cases", name) for name in trainer_cases.CASES]
+NAMES = [name for _, name in CASES]
 
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("accelerate"))
-    return run_ranks(accelerate_cases.run_all, 2, tmp, NAMES, timeout_s=30, deadline_s=240)
+    return run_ranks(run_all, 2, tmp, CASES, timeout_s=30, deadline_s=240)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,3 +48,9 @@ def test_trigger_sync_in_backward_averaged_the_gradients(per_rank):
     """Both ranks hold the same gradients: the second backward was synchronised."""
     grads = [results[("trigger_sync", "lockstep")]["grads"] for results in per_rank]
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_trainer_checkpoint_keys_and_engine(per_rank):
+    results = per_rank[0][("trainer", "lockstep")]
+    assert results["wrapper"] == "TorchFacedDDP"
+    assert results["saved_keys"] and not any(k.startswith("module.") for k in results["saved_keys"])
