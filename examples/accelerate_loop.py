@@ -2,7 +2,7 @@
 
     lockstep run --nproc-per-node 2 --engine lockstep examples/accelerate_loop.py
     torchrun --nproc-per-node 2 -m lockstep.adopt examples/accelerate_loop.py
-    accelerate launch --cpu --num_processes 2 -m lockstep.adopt examples/accelerate_loop.py
+    accelerate launch --multi_gpu --num_processes 2 -m lockstep.adopt examples/accelerate_loop.py
     lockstep run --nproc-per-node 2 examples/accelerate_loop.py    # torch's engine, to compare
 
 Nothing below names lockstep: `--engine lockstep` (LOCKSTEP_ENGINE=lockstep) makes
