@@ -11,7 +11,7 @@ import accelerate_cases
 import pytest
 import torch
 import trainer_cases
-from compare import check_case, run_all
+from framework_results import check_case, run_all
 
 from lockstep.testing import run_ranks
 

@@ -44,7 +44,7 @@ def test_accelerate_script_under_lockstep_run_with_engine_and_trace(tmp_path):
         events = json.loads((tmp_path / "trace" / f"trace_rank{rank}.json").read_text())
         steps = [e for e in events["traceEvents"] if e.get("name", "").startswith("step")]
         assert steps, f"rank {rank}: no step in its trace"
-    assert "straggler check" in out, out
+    assert (tmp_path / "trace" / "trace.json").is_file(), out  # the launcher merged them
 
 
 @pytest.mark.slow

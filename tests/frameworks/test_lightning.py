@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import lightning_cases
 import pytest
-from compare import check_case, run_all
+from framework_results import check_case, run_all
 
 from lockstep.testing import run_ranks
 
