@@ -40,8 +40,9 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _fabric(engine: str, **kwargs: Any) -> L.Fabric:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FABRIC[engine](), **kwargs)
+def _fabric(engine: str, by_name: bool = False, **kwargs: Any) -> L.Fabric:
+    strategy = {"torch": "ddp", "lockstep": "lockstep"}[engine] if by_name else FABRIC[engine]()
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
     fabric.launch()  # processes exist already (LOCAL_RANK): this joins the group
     return fabric
 
@@ -76,8 +77,8 @@ def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
 
 
 def case_fabric_bf16(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
-    """precision="bf16-mixed" (autocast on CPU)."""
-    fabric = _fabric(engine, precision="bf16-mixed")
+    """precision="bf16-mixed" (autocast on CPU), the strategy given by its registered name."""
+    fabric = _fabric(engine, by_name=True, precision="bf16-mixed")
     model, opt = fabric.setup(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
     for step in range(2):
         fabric.backward(model(_batch(rank, step)).square().mean())
@@ -106,6 +107,20 @@ class Module(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Manual(Module):
+    """Manual optimization: Lightning arms the backward through `reducer.prepare_for_backward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward((self.net(batch[0]) + self.side(batch[0])).square().mean())
+        opt.step()
+        opt.zero_grad()
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -153,12 +168,13 @@ def case_trainer_accumulate(engine: str, rank: int, tmp: Path) -> dict[str, Any]
 
 
 def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
-    """find_unused_parameters, static_graph, an fp16 comm hook, bf16-mixed: strategy arguments."""
+    """find_unused_parameters, static_graph, an fp16 comm hook, bf16-mixed, manual optimization."""
     runs = {
         "unused": ({"find_unused_parameters": True}, Module(use_side_every=2), {}),
         "static": ({"static_graph": True}, Module(), {}),
         "fp16_hook": ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, Module(), {}),
         "bf16": ({}, Module(), {"precision": "bf16-mixed"}),
+        "manual": ({}, Manual(), {}),
     }
     out = {}
     for key, (strategy_kw, module, trainer_kw) in runs.items():
