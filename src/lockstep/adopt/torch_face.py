@@ -19,11 +19,9 @@ from typing import Any, NoReturn
 
 from torch import nn
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
-from torch.utils._pytree import tree_leaves
 
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.reducer import Reducer
-from lockstep.engine.unused import unreachable_parameters
 
 # torch's own names that stay as torch defines them: class-level state that torch's
 # compiler reads on torch's class (`_get_active_ddp_module`), not on an instance.
@@ -44,14 +42,14 @@ class TorchFacingReducer(Reducer):
         call this after a forward under `no_sync()`; `outputs` find the unused
         parameters when `find_unused_parameters=True`, as in torch.
         """
+        if self.static:
+            raise NotImplementedError(
+                "reducer.prepare_for_backward() with static_graph=True is not supported by "
+                f"lockstep's engine (rank {self.rank}): a static graph routes the forward's "
+                "outputs itself. Expected static_graph=False; or unset LOCKSTEP_ENGINE."
+            )
         now = time.perf_counter()
-        if self.unused_of is not None:
-            unused = self.unused_of(outputs)
-        elif self.find_unused:
-            unused = unreachable_parameters(tree_leaves(outputs), self.params)
-        else:
-            unused = []
-        self.arm(unused, now, now)
+        self.arm(self.unused_of(outputs) if self.unused_of else [], now, now)
 
     def _rebuild_buckets(self) -> bool:
         """Re-bucket in the observed ready order if due; True when it did."""
