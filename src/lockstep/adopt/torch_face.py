@@ -137,4 +137,23 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
         """Accepted; lockstep's step statistics are always on (`observe/`)."""
 
 
+def _owner(cls: type, name: str) -> type | None:
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _prefer_lockstep() -> None:
+    """Names lockstep's class inherits from its other bases (the Join protocol's `join`,
+    `join_hook`, ...) come after torch's class in this class's order: point them back."""
+    for base in DistributedDataParallel.__mro__[1:]:
+        if base in (nn.Module, object):
+            continue
+        for name in vars(base):
+            mine = _owner(TorchFacedDDP, name)
+            theirs = _owner(DistributedDataParallel, name)
+            if name.startswith("__") or mine in (TorchFacedDDP, theirs) or theirs is None:
+                continue
+            setattr(TorchFacedDDP, name, vars(theirs)[name])
+
+
 _refuse_torch_internals()
+_prefer_lockstep()
