@@ -17,11 +17,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the scenarios live there
 
-from dropin_scenarios import SCENARIOS  # noqa: E402
-from framework_results import assert_same  # noqa: E402
+from dropin_scenarios import SCENARIOS
+from framework_results import assert_same
 
-from lockstep import adopt  # noqa: E402
-from lockstep.testing import run_ranks  # noqa: E402
+from lockstep import adopt
+from lockstep.testing import run_ranks
 
 SKIPPED = ("synced_steps", "warnings")  # counters and warning texts name the class
 
