@@ -181,6 +181,25 @@ def case_peft_lora(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     return {**_state(model, opt), "adapter": adapter, "unwrapped": type(unwrapped).__name__}
 
 
+def case_fingerprint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """Rank 0 accumulates 2 micro-batches per step, rank 1 none: ranks pair different steps.
+
+    torch's DDP pairs the all-reduces silently; lockstep's step fingerprint raises on
+    every rank at the first synchronised step, as in a plain script.
+    """
+    acc = _accelerator(engine, gradient_accumulation_steps=2 if rank == 0 else 1)
+    model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    try:
+        for step in range(4 if rank == 0 else 2):
+            with acc.accumulate(model):
+                acc.backward(model(_batch(rank, step)).square().mean())
+                opt.step()
+                opt.zero_grad()
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
 def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

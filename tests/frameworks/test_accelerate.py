@@ -17,7 +17,7 @@ from lockstep.testing import run_ranks
 
 CASES = [("accelerate_cases", name) for name in accelerate_cases.CASES]
 CASES += [("trainer_cases", name) for name in trainer_cases.CASES]
-NAMES = [name for _, name in CASES]
+NAMES = [name for _, name in CASES if name != "fingerprint"]  # differs by design
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,11 @@ def test_trainer_checkpoint_keys_and_engine(per_rank):
     results = per_rank[0][("trainer", "lockstep")]
     assert results["wrapper"] == "TorchFacedDDP"
     assert results["saved_keys"] and not any(k.startswith("module.") for k in results["saved_keys"])
+
+
+def test_step_fingerprint_catches_mismatched_accumulation_under_accelerate(per_rank):
+    for rank, results in enumerate(per_rank):
+        assert results[("fingerprint", "torch")]["raised"] is None  # torch pairs silently
+        ours = results[("fingerprint", "lockstep")]
+        assert ours["raised"] == "RankMismatchError", f"rank {rank}: {ours}"
+        assert "micro-batches" in ours["message"], ours["message"]
