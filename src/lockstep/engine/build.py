@@ -44,6 +44,7 @@ def build_reducer(
     ctx: DistContext,
     named: list[tuple[str, nn.Parameter]],
     guard: FiniteGuard,
+    reducer_type: type[Reducer] = Reducer,
 ) -> Reducer:
     """The reducer over `named` with the collective the arguments ask for, checked by `guard`."""
     transport = Transport(args.group, args.allreduce, args.local_world_size or ctx.local_world_size)
@@ -53,7 +54,7 @@ def build_reducer(
         collective = MixedPrecisionReduce(
             transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
         )
-    return Reducer(
+    return reducer_type(
         named,
         guard.wrap(with_skip(args, collective)),
         process_group=args.group,

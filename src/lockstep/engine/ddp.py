@@ -60,6 +60,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         RankMismatchError: ranks hold different parameters (raised on every rank).
     """
 
+    _reducer_type: type[Reducer] = Reducer  # a subclass may add calls (adopt/torch_face.py)
+
     def __init__(
         self,
         module: nn.Module,
@@ -141,7 +143,9 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
         self.nonfinite = build_nonfinite(self._args, self.ctx, named, self.module)
-        self.reducer = build_reducer(self._args, self.ctx, named, self.nonfinite)
+        self.reducer = build_reducer(
+            self._args, self.ctx, named, self.nonfinite, self._reducer_type
+        )
         self._delayed: DelayedAllReduce | None = build_delayed(
             self._args, self.process_group, self.ctx.world_size
         )

@@ -60,6 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "node merges them, draws DIR/timeline.png and prints the straggler line",
     )
     run.add_argument(
+        "--engine",
+        choices=["torch", "lockstep"],
+        default=None,
+        help="lockstep: torch's DistributedDataParallel builds lockstep's engine in every "
+        "worker (LOCKSTEP_ENGINE), for Accelerate, Trainer and Lightning scripts unchanged",
+    )
+    run.add_argument(
         "-m",
         dest="module",
         action="store_true",
@@ -118,6 +125,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         local_addr=ns.local_addr,
         stall_timeout_s=ns.stall_timeout,
         trace_dir=ns.trace,
+        extra_env={"LOCKSTEP_ENGINE": ns.engine} if ns.engine else {},
     )
 
 

@@ -1,0 +1,189 @@
+"""Lightning Fabric and Trainer scripts, run with Lightning's DDP strategy and with lockstep's.
+
+Engine "torch" uses Lightning's `DDPStrategy` (or the name "ddp"); engine
+"lockstep" uses `lockstep.lightning.LockstepStrategy` / `LockstepFabricStrategy`
+(or the registered name "lockstep") with the same arguments. Each case returns
+parameters, optimizer state and what it saved. The ranks' process group already
+exists; Lightning sees LOCAL_RANK and does not start processes of its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lockstep.lightning import LockstepFabricStrategy, LockstepStrategy
+
+FABRIC = {"torch": FabricDDPStrategy, "lockstep": LockstepFabricStrategy}
+TRAINER = {"torch": DDPStrategy, "lockstep": LockstepStrategy}
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _fabric(engine: str, by_name: bool = False, **kwargs: Any) -> L.Fabric:
+    strategy = {"torch": "ddp", "lockstep": "lockstep"}[engine] if by_name else FABRIC[engine]()
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
+    fabric.launch()  # processes exist already (LOCAL_RANK): this joins the group
+    return fabric
+
+
+def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """no_backward_sync over 2 micro-batches, clip_gradients, save, load and resume."""
+    fabric = _fabric(engine)
+    model, opt = fabric.setup(_net(), torch.optim.Adam(_net().parameters(), lr=1e-2))
+    for step in range(4):
+        accumulating = step % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(model(_batch(rank, step)).square().mean())
+        if not accumulating:
+            fabric.clip_gradients(model, opt, max_norm=0.05)
+            opt.step()
+            opt.zero_grad()
+    path = tmp / engine / "fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fabric.backward(model(_batch(rank, 9)).square().mean())  # moves away from the save
+    opt.step()
+    opt.zero_grad()
+    fabric.load(path, {"model": model, "optimizer": opt})
+    fabric.backward(model(_batch(rank, 10)).square().mean())
+    opt.step()
+    saved = torch.load(path, weights_only=True)["model"]
+    return {
+        "params": _params(model),
+        "opt": opt.state_dict()["state"],
+        "saved": saved,
+        "wrapper": type(model._forward_module).__name__,
+    }
+
+
+def case_fabric_bf16(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """precision="bf16-mixed" (autocast on CPU), the strategy given by its registered name."""
+    fabric = _fabric(engine, by_name=True, precision="bf16-mixed")
+    model, opt = fabric.setup(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
+    for step in range(2):
+        fabric.backward(model(_batch(rank, step)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    return {"params": _params(model)}
+
+
+class Module(L.LightningModule):
+    """The same network as a LightningModule; `side` is used every other step when asked."""
+
+    def __init__(self, use_side_every: int = 1) -> None:
+        super().__init__()
+        self.net = _net()
+        self.side = nn.Linear(6, 3)
+        self.every = use_side_every
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        out = self.net(batch[0])
+        if self.global_step % self.every == 0:
+            out = out + self.side(batch[0])
+        return out.square().mean()
+
+    def on_train_start(self) -> None:
+        self.wrapper = type(self.trainer.strategy.model).__name__
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Manual(Module):
+    """Manual optimization: Lightning arms the backward through `reducer.prepare_for_backward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward((self.net(batch[0]) + self.side(batch[0])).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    data = torch.randn(32, 6, generator=torch.Generator().manual_seed(3))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+
+
+def _fit(
+    strategy: Any, tmp: Path, steps: int, module: Module | None = None, ckpt: str | None = None,
+    **kw: Any,
+) -> Any:  # fmt: skip
+    module = module or Module()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        default_root_dir=str(tmp),
+        enable_checkpointing=False,
+        **QUIET,
+        **kw,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and log intervals
+        trainer.fit(module, _loader(), ckpt_path=ckpt)
+    return trainer, module
+
+
+def _fit_state(trainer: Any, module: Module) -> dict[str, Any]:
+    return {"params": _params(module), "opt": trainer.optimizers[0].state_dict()["state"]}
+
+
+def case_trainer_accumulate(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """accumulate_grad_batches=2, gradient_clip_val, a checkpoint, and a resumed fit."""
+    name = {"torch": "ddp", "lockstep": "lockstep"}[engine]  # the registered names
+    kw = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    trainer, module = _fit(name, tmp / engine, 3, **kw)
+    path = tmp / engine / "last.ckpt"
+    trainer.save_checkpoint(path)
+    straight = _fit_state(trainer, module)
+    trainer, module = _fit(name, tmp / engine, 5, ckpt=str(path), **kw)
+    keys = sorted(torch.load(path, weights_only=False)["state_dict"])
+    return {"straight": straight, "resumed": _fit_state(trainer, module), "keys": keys,
+            "wrapper": module.wrapper}  # fmt: skip
+
+
+def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """find_unused_parameters, static_graph, an fp16 comm hook, bf16-mixed, manual optimization."""
+    runs = {
+        "unused": ({"find_unused_parameters": True}, Module(use_side_every=2), {}),
+        "static": ({"static_graph": True}, Module(), {}),
+        "fp16_hook": ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, Module(), {}),
+        "bf16": ({}, Module(), {"precision": "bf16-mixed"}),
+        "manual": ({}, Manual(), {}),
+    }
+    out = {}
+    for key, (strategy_kw, module, trainer_kw) in runs.items():
+        strategy = TRAINER[engine](**strategy_kw)
+        trainer, module = _fit(strategy, tmp / engine, 3, module, **trainer_kw)
+        out[key] = _fit_state(trainer, module)
+    return out
+
+
+CASES = {
+    name.removeprefix("case_"): fn for name, fn in globals().items() if name.startswith("case_")
+}

@@ -1,0 +1,68 @@
+"""The switch itself: off by default, on when asked, and torch's class name kept.
+
+Two gloo ranks (which imported lockstep without LOCKSTEP_ENGINE) show torch's class
+untouched until `install()`, then what a framework relies on: `isinstance`, `.module`,
+torch's `state_dict` keys, the reducer's `prepare_for_backward`, a deep copy, a clear
+refusal for torch's other internals, and torch's engine again after `uninstall()`.
+The launch tests show the variable turning it on; bad values are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from lockstep import adopt
+from lockstep.testing import run_ranks
+
+
+def test_the_variables_values():
+    assert adopt.engine_from_env({}) == "torch"
+    assert adopt.engine_from_env({adopt.ENGINE_VARIABLE: "lockstep"}) == "lockstep"
+    with pytest.raises(ValueError, match="LOCKSTEP_ENGINE must be one of"):
+        adopt.engine_from_env({adopt.ENGINE_VARIABLE: "lockstep2"})
+    with pytest.raises(NotImplementedError, match="not supported yet"):
+        adopt.engine_from_env({adopt.ENGINE_VARIABLE: "sharded"})
+
+
+def _adopted(ctx) -> dict:
+    # The ranks imported lockstep without LOCKSTEP_ENGINE: torch's class is untouched.
+    untouched = "__new__" not in vars(TorchDDP) and not adopt.installed()
+    adopt.install()
+    try:
+        torch.manual_seed(0)
+        model = TorchDDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+        out = {"isinstance": isinstance(model, TorchDDP), "class": type(model).__name__}
+        out["keys"] = list(model.state_dict())
+        out["module"] = type(model.module).__name__
+        with model.no_sync():
+            loss = model(torch.full((2, 4), float(ctx.rank))).sum()
+        model.reducer.prepare_for_backward([])  # as accelerate's trigger_sync_in_backward
+        loss.backward()
+        out["grad"] = model.module[0].weight.grad.clone()
+        out["copy"] = type(copy.deepcopy(model)).__name__
+        try:
+            model._register_fused_optim(torch.optim.SGD, lr=0.1)
+        except NotImplementedError as exc:
+            out["refusal"] = str(exc)
+    finally:
+        adopt.uninstall()
+    out["after"] = type(TorchDDP(nn.Linear(2, 2))).__name__
+    out["untouched"] = untouched
+    return out
+
+
+def test_torchs_constructor_builds_lockstep_engine_where_frameworks_look():
+    per_rank = run_ranks(_adopted, 2, deadline_s=60)
+    for out in per_rank:
+        assert out["untouched"], "importing lockstep without LOCKSTEP_ENGINE changed torch"
+        assert out["isinstance"] and out["class"] == "TorchFacedDDP"
+        assert out["keys"][0] == "module.0.weight" and out["module"] == "Sequential"
+        assert out["copy"] == "TorchFacedDDP" and out["after"] == "DistributedDataParallel"
+        assert "_register_fused_optim" in out["refusal"] and "LOCKSTEP_ENGINE" in out["refusal"]
+    # prepare_for_backward armed the backward after no_sync: the gradients were averaged.
+    assert torch.equal(per_rank[0]["grad"], per_rank[1]["grad"])
