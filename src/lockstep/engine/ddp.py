@@ -34,6 +34,7 @@ from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
+from lockstep.engine.reducer import Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
