@@ -133,7 +133,7 @@ class LockstepAgent(LocalElasticAgent):
 
     def _watch_group(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         if self._exits is not None:
-            result = self._exits.excuse(result)
+            result = self._exits.excuse(result, worker_group.workers)
             if result.state == WorkerState.HEALTHY:
                 self._exits.check(worker_group.workers)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:

@@ -74,7 +74,7 @@ class ExitWatch:
             if late > self.grace_s and worker.global_rank not in self.ended:
                 self._end(worker, late)
 
-    def excuse(self, result: RunResult) -> RunResult:
+    def excuse(self, result: RunResult, workers: list[Worker]) -> RunResult:
         """The run's result with the workers this watch ended counted as the success they were."""
         failed = set(result.failures)
         if result.state != WorkerState.FAILED or not failed or not failed <= self.ended:
@@ -83,7 +83,8 @@ class ExitWatch:
             "rank(s) %s ended by the exit watch after their script succeeded: the run succeeded",
             ", ".join(map(str, sorted(failed))),
         )
-        return RunResult(state=WorkerState.SUCCEEDED, return_values=dict(result.return_values))
+        values = {w.global_rank: result.return_values.get(w.global_rank) for w in workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
     def _end(self, worker: Worker, late: float) -> None:
         stack = dump_stack(worker.id or 0, stack_path(self.directory, worker.local_rank))
