@@ -48,6 +48,7 @@ from lockstep.engine.replicas import broadcast_tensors
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.observe.envtrace import attach_trace_from_env
 
 
@@ -105,6 +106,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, allreduce,
             local_world_size, check_data_passes,
         )  # fmt: skip
+        refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
         self.module = module
@@ -229,6 +231,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
+        refuse_inside_torch_ddp("lockstep.DistributedDataParallel")
         self.reducer.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
         grad_sync = grad_enabled and self.require_backward_grad_sync

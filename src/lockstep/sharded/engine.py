@@ -22,6 +22,7 @@ from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB
 from lockstep.engine.checks import verify_same_parameters
 from lockstep.engine.replicas import broadcast_module
+from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
 from lockstep.sharded.agreement import check_arguments
@@ -64,6 +65,7 @@ class ShardedDataParallel(nn.Module):
         prefetch: bool = True,
     ) -> None:
         super().__init__()
+        refuse_wrapped_inside(module, "lockstep.ShardedDataParallel")
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         check_arguments(module, setting, wrap, process_group)
@@ -131,6 +133,7 @@ class ShardedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_inside_torch_ddp("lockstep.ShardedDataParallel")
         span = self.timeline.begin("compute", "forward") if self.timeline else None
         grad_sync = torch.is_grad_enabled() and self._sync_grads
         if self.stage < 3:
