@@ -21,6 +21,7 @@ from lockstep.engine.collective import BucketCollective
 from lockstep.engine.handles import CollectiveHandle
 from lockstep.sharded.collective import ShardBucket, bucket_of
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.shard_grad import as_shard_grad
 from lockstep.sharded.timeline import Span, Timeline
 
 _run_at_end = torch.autograd.Variable._execution_engine.queue_callback
@@ -97,8 +98,8 @@ class GradSync:
             handle.wait()
             result = bucket.shard_grad
             assert result is not None
-            if flat.shard.grad is None:
-                flat.shard.grad = result
+            if flat.shard.grad is None:  # torch's clip_grad_norm_ sees the global norm
+                flat.shard.grad = as_shard_grad(result, flat.process_group)
             else:
                 flat.shard.grad.add_(result)
 
