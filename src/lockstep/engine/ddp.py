@@ -48,6 +48,7 @@ from lockstep.engine.replicas import broadcast_tensors
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.transport import NATIVE, Transport
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.meta import refuse_meta
 from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.observe.envtrace import attach_trace_from_env
 
@@ -107,6 +108,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures):
             local_world_size, check_data_passes,
         )  # fmt: skip
         refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
+        refuse_meta(module, args.group, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
         self.module = module

@@ -22,6 +22,7 @@ from lockstep.context import DistContext, group_context
 from lockstep.engine.bucketing import MB
 from lockstep.engine.checks import verify_same_parameters
 from lockstep.engine.replicas import broadcast_module
+from lockstep.meta import refuse_meta
 from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
@@ -66,6 +67,7 @@ class ShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         refuse_wrapped_inside(module, "lockstep.ShardedDataParallel")
+        refuse_meta(module, process_group, "lockstep.ShardedDataParallel")
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         check_arguments(module, setting, wrap, process_group)
