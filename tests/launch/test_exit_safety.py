@@ -2,8 +2,8 @@
 
 `exit_deadlock.py` makes torch's C++ Reducer free a gloo group while the group's
 thread retires a work that needs the GIL: without `lockstep.teardown` it hangs every
-time. `train_torch_ddp_exit.py` is the DDP tutorial's shape (torch's class or
-lockstep's, in main()'s locals), run LOCKSTEP_EXIT_RUNS times (default 2) under
+time. `train_torch_ddp_exit.py` is the DDP tutorial's shape (torch's class, lockstep's or
+lockstep.FSDP, in main()'s locals), run LOCKSTEP_EXIT_RUNS times (default 2) under
 `lockstep run` and under torchrun with lockstep imported; the 20-run figure is
 
     LOCKSTEP_EXIT_RUNS=20 python -m pytest -q tests/launch/test_exit_safety.py -k repeat
@@ -62,8 +62,16 @@ def test_a_group_freed_by_torchs_reducer_mid_collective_does_not_hang(kind):
 
 
 @pytest.mark.timeout(RUNS * (HANG_S + 30) + 60)
-@pytest.mark.parametrize("engine", ["torch", "lockstep"])
-@pytest.mark.parametrize("kind", ["lockstep-run", "torchrun"])
+@pytest.mark.parametrize(
+    ("kind", "engine"),
+    [
+        ("lockstep-run", "torch"),
+        ("lockstep-run", "lockstep"),
+        ("torchrun", "torch"),
+        ("torchrun", "lockstep"),
+        ("torchrun", "sharded"),
+    ],
+)
 def test_repeat_runs_exit_without_hang_or_abort(kind, engine, tmp_path):
     bad = []
     for run in range(RUNS):

@@ -7,7 +7,8 @@ torch's own DistributedDataParallel is made inside a `Trainer` held by main(); t
 script trains a few epochs, rank 0 writes a snapshot, main() destroys the group and
 returns. Freeing main()'s locals then frees the last Python reference to the DDP
 module: the exit path that used to hang. `--lockstep` imports lockstep (torchrun).
-`--engine lockstep` uses lockstep.DistributedDataParallel instead of torch's class.
+`--engine lockstep` uses lockstep.DistributedDataParallel instead of torch's class,
+`--engine sharded` lockstep.FSDP (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class Trainer:
     def train(self, epochs: int) -> None:
         for epoch in range(epochs):
             self.run_epoch(epoch)
+            state = {"model": self.model.state_dict(), "epoch": epoch}  # sharded: a collective
             if dist.get_rank() == 0:
-                state = {"model": self.model.module.state_dict(), "epoch": epoch}
                 torch.save(state, self.snapshot)
 
 
@@ -53,6 +54,8 @@ def build(engine: str) -> nn.Module:
         return DistributedDataParallel(model)
     import lockstep
 
+    if engine == "sharded":
+        return lockstep.FSDP(model)
     return lockstep.DistributedDataParallel(model)
 
 
@@ -72,7 +75,7 @@ def main(out: Path, engine: str, epochs: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--engine", choices=["torch", "lockstep"], default="torch")
+    parser.add_argument("--engine", choices=["torch", "lockstep", "sharded"], default="torch")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lockstep", action="store_true", help="import lockstep first")
     args = parser.parse_args()
