@@ -17,17 +17,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported before any group exists, on purpose. This module declares
-# `group=group.WORLD` default arguments, evaluated at its first import; torch._dynamo
-# imports it, and every optimizer imports torch._dynamo. Imported after the group
-# exists, those defaults would keep the group alive after destroy_process_group(),
-# its gloo threads still running while the interpreter shuts down, and a worker
-# that trained correctly could die with SIGABRT ("terminate called without an
-# active exception"). Imported here, with lockstep, the defaults are None.
-import torch.distributed.nn.functional
-
 from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
+from lockstep.teardown import install as _pin_groups
+
+# Before any group exists: groups are pinned and end at a known point at exit
+# (lockstep.teardown says why: an exit that hangs, or aborts, otherwise).
+_pin_groups()
 
 
 @dataclass(frozen=True)

@@ -142,11 +142,11 @@ else:
 rank = dist.get_rank()
 torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
 dist.all_reduce(torch.ones(3))
-if sys.argv[1] == "forgotten":  # no shutdown(): the launcher's bootstrap leaves the group
-    atexit.register(report)
-else:
+# Reported at exit, after the script: the bootstrap has ended the groups by then
+# (lockstep.teardown holds each one until the script ends, destroyed or not).
+atexit.register(report)
+if sys.argv[1] != "forgotten":  # forgotten: no shutdown(), the bootstrap leaves the group
     dist.destroy_process_group()
-    report()
 """
 
 
@@ -154,6 +154,9 @@ else:
 @pytest.mark.parametrize("ending", ["shutdown", "forgotten", "own_group"])
 def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp_path, ending):
     """An optimizer made after init() must not keep the group (and its gloo threads) alive.
+
+    The threads are listed once the script ended (an atexit handler, which runs after
+    the bootstrap ended the groups), whether the script destroyed its group or not.
 
     Threads still running while the interpreter shuts down made a worker that had
     trained correctly die with SIGABRT, now and then.

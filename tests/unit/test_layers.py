@@ -17,7 +17,7 @@ ROOT = Path(lockstep.__file__).parent
 
 LAYERS = [
     {"errors", "compiler", "torch_compat"},
-    {"env", "agreement"},
+    {"env", "agreement", "teardown", "nesting", "meta"},
     {"context"},
     {"collectives"},
     {"runtime"},

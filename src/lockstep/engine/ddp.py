@@ -37,6 +37,8 @@ from lockstep.engine.figures import EngineFigures
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.meta import refuse_meta
+from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
 from lockstep.runtime.same_parameters import verify_same_parameters
@@ -102,6 +104,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, allreduce,
             local_world_size, check_data_passes, nonfinite,
         )  # fmt: skip
+        refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
+        refuse_meta(module, args.group, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
         self.module = module
@@ -199,6 +203,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
+        refuse_inside_torch_ddp("lockstep.DistributedDataParallel")
         self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
         grad_sync = grad_enabled and self.require_backward_grad_sync

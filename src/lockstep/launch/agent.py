@@ -23,6 +23,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.errors import LockstepError
 from lockstep.launch import group
+from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.rendezvous import NodeRankRendezvous
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
@@ -55,6 +56,7 @@ class LockstepAgent(LocalElasticAgent):
         rdzv_timeout_s: the rendezvous' join timeout (how long joining may take).
         watchdog: told of every step forward, so a store that hangs ends the launcher.
         stalls: the workers' progress watch (`lockstep.launch.stall`); None: off.
+        exits: the bound on a worker's exit after its script (`lockstep.launch.exitwatch`).
     """
 
     def __init__(
@@ -65,10 +67,12 @@ class LockstepAgent(LocalElasticAgent):
         rdzv_timeout_s: float,
         watchdog: Watchdog,
         stalls: StallWatch | None = None,
+        exits: ExitWatch | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._stalls = stalls
+        self._exits = exits
         self._watchdog = watchdog
         self._rdzv_timeout_s = rdzv_timeout_s
         self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
@@ -110,6 +114,8 @@ class LockstepAgent(LocalElasticAgent):
         self._beats = {}
         if self._stalls is not None:
             self._stalls.reset()
+        if self._exits is not None:
+            self._exits.reset()
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._watchdog.pet("stopping the workers", self._shutdown_timeout)
@@ -128,6 +134,10 @@ class LockstepAgent(LocalElasticAgent):
             raise StoreLostError(self.rendezvous.endpoint, error) from None
 
     def _watch_group(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        if self._exits is not None:
+            result = self._exits.excuse(result, worker_group.workers)
+            if result.state == WorkerState.HEALTHY:
+                self._exits.check(worker_group.workers)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             host = self.rendezvous.me.host
             failures = [

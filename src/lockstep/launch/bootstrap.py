@@ -8,7 +8,8 @@ to the error file that torch.distributed.elastic gives every worker
 for the user to add. The worker asks the kernel to kill it if the launcher (PID)
 dies, so a launcher killed with SIGKILL leaves no worker behind. A worker killed
 by a fatal signal from native code prints the Python stack of every thread first;
-on SIGUSR2 it writes that stack for the launcher's stall watch (`launch/stall.py`).
+on SIGUSR2 it writes that stack for the launcher's stall and exit watches
+(`launch/stall.py`, `launch/exitwatch.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lockstep.env import read_variable
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 PROGRESS_DIR_VARIABLE = "LOCKSTEP_PROGRESS_DIR"  # runtime.progress reads it too
+EXIT_DIR_VARIABLE = "LOCKSTEP_EXIT_DIR"  # launch.exitwatch reads it too
 _PR_SET_PDEATHSIG = 1
 
 
@@ -91,6 +93,7 @@ def main(argv: list[str]) -> None:
     # thread's Python stack to stderr instead, so the launcher's log shows where it was.
     faulthandler.enable(all_threads=True)
     _arm_stack_dump()
+    _pin_groups()
     target = _target(argv)
     try:
         target()
@@ -114,7 +117,7 @@ _stack_file: Any = None  # kept open for faulthandler for the life of the proces
 def _arm_stack_dump() -> None:
     """On SIGUSR2, write every thread's Python stack where the launcher's stall watch reads it."""
     global _stack_file
-    directory = read_variable(PROGRESS_DIR_VARIABLE)
+    directory = read_variable(PROGRESS_DIR_VARIABLE) or read_variable(EXIT_DIR_VARIABLE)
     if not directory:
         return
     path = os.path.join(directory, f"{read_variable('LOCAL_RANK') or '0'}.stack")
@@ -122,15 +125,26 @@ def _arm_stack_dump() -> None:
     faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
 
 
+def _pin_groups() -> None:
+    """Pin the process groups the script will make, so they end after it (`lockstep.teardown`)."""
+    from lockstep.teardown import install
+
+    install()
+
+
 def _leave_groups() -> None:
-    """Destroy the process groups a script that finished left open.
+    """The script succeeded: say so to the launcher, then end its process groups.
 
     A group alive during interpreter shutdown still runs its backend's threads,
-    which can abort the process after training succeeded.
+    which can abort the process after training succeeded; a group freed by a C++
+    object with the GIL held can hang it (`lockstep.teardown`). The launcher bounds
+    what follows (`lockstep.launch.exitwatch`): the result is known from here on.
     """
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    from lockstep.launch.exitwatch import note_script_ended
+    from lockstep.teardown import release
+
+    note_script_ended()
+    release()
 
 
 def _exit_now(code: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lockstep.env import DEFAULT_MASTER_ADDR, read_slurm_nodes
 from lockstep.launch.config import (
+    DEFAULT_EXIT_GRACE_S,
     DEFAULT_RDZV_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
     RunConfig,
@@ -51,6 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_STALL_TIMEOUT_S,
         help="end the run when no worker progressed for this many seconds while some wait "
         "in a collective, naming the stuck rank with its stack (0: off)",
+    )
+    run.add_argument(
+        "--exit-grace",
+        type=float,
+        default=DEFAULT_EXIT_GRACE_S,
+        help="seconds a worker may take to exit after its script ended; then it is named "
+        "with its stack and ended, and the run's result is the scripts' (default 30)",
     )
     run.add_argument(
         "--trace",
@@ -124,6 +132,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         rdzv_timeout_s=ns.rdzv_timeout,
         local_addr=ns.local_addr,
         stall_timeout_s=ns.stall_timeout,
+        exit_grace_s=ns.exit_grace,
         trace_dir=ns.trace,
         extra_env={"LOCKSTEP_ENGINE": ns.engine} if ns.engine else {},
     )

@@ -15,6 +15,7 @@ MAX_AUTO_CPU_PROCS = 4
 
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_STALL_TIMEOUT_S = 60.0
+DEFAULT_EXIT_GRACE_S = 30.0
 
 
 def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,8 @@ class RunConfig:
         stall_timeout_s: end the run when no worker progressed for this long while
             some wait in a collective (`lockstep.launch.stall`); 0 turns the watch off.
         trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
+        exit_grace_s: seconds a worker may take to exit after its script ended well,
+            before it is named with its stack and ended (`lockstep.launch.exitwatch`).
     """
 
     target: list[str]
@@ -65,6 +68,7 @@ class RunConfig:
     shutdown_timeout_s: int = 10
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
+    exit_grace_s: float = DEFAULT_EXIT_GRACE_S
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:
@@ -103,6 +107,8 @@ class RunConfig:
             raise ValueError(
                 f"--stall-timeout must be >= 0 seconds (0: off); found {self.stall_timeout_s}"
             )
+        if self.exit_grace_s <= 0:
+            raise ValueError(f"--exit-grace must be > 0 seconds; found {self.exit_grace_s}")
 
     @property
     def world_size(self) -> int:

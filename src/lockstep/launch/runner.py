@@ -32,6 +32,8 @@ from lockstep.errors import LockstepError
 from lockstep.launch import group, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
+from lockstep.launch.exitwatch import DIR_VARIABLE as EXIT_DIR_VARIABLE
+from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
 from lockstep.launch.rendezvous import NodeInfo, build
@@ -90,8 +92,18 @@ def _stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
     return StallWatch(directory, cfg.stall_timeout_s, cfg.nnodes)
 
 
+def _exit_watch(cfg: RunConfig, directory: Path) -> ExitWatch:
+    """The bound on a worker's exit after its script ended; its folder is exported too."""
+    os.environ[EXIT_DIR_VARIABLE] = str(directory)
+    return ExitWatch(directory, cfg.exit_grace_s)
+
+
 def _agent(
-    cfg: RunConfig, me: NodeInfo, watchdog: Watchdog, stalls: StallWatch | None = None
+    cfg: RunConfig,
+    me: NodeInfo,
+    watchdog: Watchdog,
+    stalls: StallWatch | None = None,
+    exits: ExitWatch | None = None,
 ) -> LockstepAgent:
     spec = WorkerSpec(
         role="worker",
@@ -114,6 +126,7 @@ def _agent(
         rdzv_timeout_s=cfg.rdzv_timeout_s,
         watchdog=watchdog,
         stalls=stalls,
+        exits=exits,
     )
 
 
@@ -142,14 +155,17 @@ def run(cfg: RunConfig) -> int:
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
     with tempfile.TemporaryDirectory(prefix="lockstep-progress-") as directory:
-        return _run_agent(cfg, me, _stall_watch(cfg, Path(directory)))
+        stalls = _stall_watch(cfg, Path(directory))
+        return _run_agent(cfg, me, stalls, _exit_watch(cfg, Path(directory)))
 
 
-def _run_agent(cfg: RunConfig, me: NodeInfo, stalls: StallWatch | None) -> int:
+def _run_agent(
+    cfg: RunConfig, me: NodeInfo, stalls: StallWatch | None, exits: ExitWatch | None = None
+) -> int:
     watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}")
     watchdog.pet("connecting to the rendezvous store", cfg.rdzv_timeout_s)
     try:
-        agent = _agent(cfg, me, watchdog, stalls)
+        agent = _agent(cfg, me, watchdog, stalls, exits)
     except (RendezvousError, dist.DistError) as error:
         watchdog.stop()
         log.error(

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.context import DistContext, group_context
+from lockstep.meta import refuse_meta
+from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime import waits
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
@@ -74,6 +76,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         nonfinite: str = "raise",
     ) -> None:
         super().__init__()
+        refuse_wrapped_inside(module, "lockstep.ShardedDataParallel")
+        refuse_meta(module, process_group, "lockstep.ShardedDataParallel")
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         setting["nonfinite"] = NonFinite.parse(nonfinite).value  # every rank ends such a step alike
@@ -160,6 +164,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_inside_torch_ddp("lockstep.ShardedDataParallel")
         start = time.perf_counter()
         span = self.timeline.begin("compute", "forward") if self.timeline else None
         driver = self.grad_sync.driver

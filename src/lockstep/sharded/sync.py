@@ -28,6 +28,7 @@ from lockstep.runtime.step import StepState
 from lockstep.runtime.streams import at_backward_end
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.reduce_scatter import ShardBucket, fill_bucket, shard_bucket
+from lockstep.sharded.shard_grad import as_shard_grad
 from lockstep.sharded.timeline import Span, Timeline
 
 _run_at_end = at_backward_end  # on the caller's streams: `runtime/streams.py`
@@ -148,8 +149,8 @@ class GradSync:
         """This rank's averaged shard into `shard.grad` (added: `.grad` accumulates)."""
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         shard = self.flats[bucket.index].shard
-        if shard.grad is None:
-            shard.grad = bucket.shard_grad
+        if shard.grad is None:  # torch's clip_grad_norm_ sees the global norm
+            shard.grad = as_shard_grad(bucket.shard_grad, self.flats[bucket.index].process_group)
         else:
             shard.grad.add_(bucket.shard_grad)
         bucket.release()

@@ -1,0 +1,107 @@
+"""Workers leave once their script ended: no deadlock at exit, no abort, and a bound.
+
+`exit_deadlock.py` makes torch's C++ Reducer free a gloo group while the group's
+thread retires a work that needs the GIL: without `lockstep.teardown` it hangs every
+time. `train_torch_ddp_exit.py` is the DDP tutorial's shape (torch's class, lockstep's or
+lockstep.FSDP, in main()'s locals), run LOCKSTEP_EXIT_RUNS times (default 1 here, to
+keep `make test` short: the deadlock test above is the certain one) under `lockstep
+run` and under torchrun with lockstep imported; the 20-run figure is
+
+    LOCKSTEP_EXIT_RUNS=20 python -m pytest -q tests/launch/test_exit_safety.py -k repeat
+
+`train_exit_blocks.py` blocks after its script ended: the launcher's exit watch names
+the worker with its stack, ends it, and the exit code is the script's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+RUN = [sys.executable, "-m", "lockstep.cli", "run", "--nproc-per-node", "2"]
+RUNS = int(os.environ.get("LOCKSTEP_EXIT_RUNS", "1"))
+HANG_S = 90
+
+
+def launch(cmd: list[str], timeout: float = HANG_S) -> tuple[int | None, str, float]:
+    """Exit code (None: still running after `timeout`, then killed), output, seconds."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out, time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return None, out, time.monotonic() - start
+
+
+def launcher(kind: str, script: str, *args: str) -> list[str]:
+    if kind == "lockstep-run":
+        return [*RUN, str(HERE / script), *args]
+    return [TORCHRUN, "--nproc-per-node", "2", str(HERE / script), *args, "--lockstep"]
+
+
+@pytest.mark.timeout(HANG_S + 60)
+@pytest.mark.parametrize("kind", ["lockstep-run", "torchrun"])
+def test_a_group_freed_by_torchs_reducer_mid_collective_does_not_hang(kind):
+    code, out, _ = launch(launcher(kind, "exit_deadlock.py"))
+    assert code is not None, f"the workers did not exit within {HANG_S} s:\n{out[-3000:]}"
+    assert code == 0 and out.count(": freed") == 2, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(RUNS * (HANG_S + 30) + 60)
+@pytest.mark.parametrize(
+    ("kind", "engine"),
+    [
+        ("lockstep-run", "torch"),
+        ("lockstep-run", "lockstep"),
+        ("torchrun", "torch"),
+        ("torchrun", "lockstep"),
+        ("torchrun", "sharded"),
+    ],
+)
+def test_repeat_runs_exit_without_hang_or_abort(kind, engine, tmp_path):
+    bad = []
+    for run in range(RUNS):
+        out_dir = tmp_path / str(run)
+        out_dir.mkdir()
+        cmd = launcher(kind, "train_torch_ddp_exit.py", "--out", str(out_dir), "--engine", engine)
+        code, out, _ = launch(cmd)
+        done = sorted(p.name for p in out_dir.glob("done_*"))
+        if code != 0 or "terminate called" in out or done != ["done_0", "done_1"]:
+            what = "hung" if code is None else f"exit code {code}"
+            bad.append(f"run {run}: {what}, {done}\n{out[-2000:]}")
+    assert not bad, f"{len(bad)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(bad)
+
+
+@pytest.mark.timeout(HANG_S + 60)
+@pytest.mark.parametrize("block", ["thread", "atexit"])
+def test_a_worker_that_does_not_exit_after_its_script_is_named_and_ended(block):
+    cmd = [*RUN, "--exit-grace", "2", str(HERE / "train_exit_blocks.py"), "--block", block]
+    code, out, seconds = launch(cmd)
+    assert code == 0, f"exit code {code} after {seconds:.0f} s:\n{out[-3000:]}"
+    assert out.count("finished its script") == 2, out[-3000:]
+    assert "block_forever" in out, out[-3000:]  # the stack shows where it blocks
+    assert "ended by the exit watch after their script succeeded" in out, out[-3000:]
+
+
+@pytest.mark.timeout(HANG_S + 60)
+def test_a_failed_script_still_fails_when_its_peer_blocks_at_exit():
+    script = str(HERE / "train_exit_blocks.py")
+    cmd = [*RUN, "--exit-grace", "2", script, "--block", "thread", "--fail-rank", "1"]
+    code, out, _ = launch(cmd)
+    assert code == 1, f"exit code {code}:\n{out[-3000:]}"
+    assert "failed on purpose" in out, out[-3000:]
