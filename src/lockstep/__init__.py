@@ -1,18 +1,17 @@
 """lockstep: distributed data-parallel training for PyTorch that you can read, measure and trust."""
 
-import os as _os
-
 from lockstep.checkpoint import Checkpointer
 from lockstep.context import DistContext, init, shutdown
 from lockstep.data import ShardedSampler, shard
 from lockstep.engine.ddp import DDP, DistributedDataParallel
 from lockstep.engine.naive import NaiveDataParallel
+from lockstep.env import read_variable as _read_variable
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
 from lockstep.sharded import FSDP, ShardedDataParallel
 from lockstep.trace_hook import attach_env_tracer  # noqa: F401  (LOCKSTEP_TRACE)
 
-if _os.environ.get("LOCKSTEP_ENGINE"):  # torch's DDP builds lockstep's engine: docs/frameworks.md
+if _read_variable("LOCKSTEP_ENGINE"):  # torch's DDP builds lockstep's engine: docs/frameworks.md
     from lockstep.adopt import install_from_env
 
     install_from_env()

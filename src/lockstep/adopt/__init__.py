@@ -15,11 +15,13 @@ unless one of the lines above asks for it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
+
+from lockstep.env import read_variable
 
 ENGINE_VARIABLE = "LOCKSTEP_ENGINE"
 ENGINES = ("torch", "lockstep", "sharded")
@@ -72,14 +74,14 @@ def adopted() -> Iterator[None]:
             uninstall()
 
 
-def engine_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+def engine_from_env(environ: Mapping[str, str] | None = None) -> str:
     """LOCKSTEP_ENGINE's value, checked: "torch" (also when unset) or "lockstep".
 
     Raises:
         NotImplementedError: "sharded" (not yet under a framework's DDP constructor).
         ValueError: any other value.
     """
-    value = environ.get(ENGINE_VARIABLE, "").strip().lower() or "torch"
+    value = (read_variable(ENGINE_VARIABLE, environ) or "").strip().lower() or "torch"
     if value == "sharded":
         raise NotImplementedError(
             f"{ENGINE_VARIABLE}=sharded is not supported yet: torch's DistributedDataParallel "

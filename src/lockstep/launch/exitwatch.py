@@ -20,6 +20,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerState
 
+from lockstep.env import read_variable
+
 DIR_VARIABLE = "LOCKSTEP_EXIT_DIR"
 DUMP_SIGNAL = signal.SIGUSR2  # faulthandler, armed by the bootstrap, writes the stack
 DUMP_WAIT_S = 3.0
@@ -38,9 +40,9 @@ def stack_path(directory: str | Path, local_rank: int) -> Path:
 
 def note_script_ended() -> None:
     """In a worker: its script ended well; from now on only teardown runs (no-op unlaunched)."""
-    directory = os.environ.get(DIR_VARIABLE)
+    directory = read_variable(DIR_VARIABLE)
     if directory:
-        ended_path(directory, int(os.environ.get("LOCAL_RANK", "0"))).write_text("0\n")
+        ended_path(directory, int(read_variable("LOCAL_RANK") or 0)).write_text("0\n")
 
 
 class ExitWatch:
