@@ -14,7 +14,6 @@ unless one of the lines above asks for it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
