@@ -23,7 +23,9 @@ from framework_results import assert_same
 from lockstep import adopt
 from lockstep.testing import run_ranks
 
-SKIPPED = ("synced_steps", "warnings")  # counters and warning texts name the class
+# Counters and warning texts name the class; `seen` (collectives, bucket layouts) is each
+# engine's own by design and is checked against torch in tests/dist/test_dropin.py.
+SKIPPED = ("synced_steps", "warnings", "seen")
 
 
 def _both(ctx, names: list[str]) -> dict:
