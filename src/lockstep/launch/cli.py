@@ -86,6 +86,11 @@ def _placement_flags(run: argparse.ArgumentParser) -> None:
         "--local-addr",
         help="this node's address as the others reach it (default: the one routed to the master)",
     )
+    run.add_argument(
+        "--secret-file",
+        help="file holding the job's secret, the same on every node (default: "
+        "LOCKSTEP_JOB_SECRET; one node alone generates one)",
+    )
 
 
 def _placement(ns: argparse.Namespace) -> dict[str, str | int]:
@@ -118,6 +123,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         local_addr=ns.local_addr,
         stall_timeout_s=ns.stall_timeout,
         trace_dir=ns.trace,
+        secret_file=ns.secret_file,
     )
 
 

@@ -49,6 +49,8 @@ class RunConfig:
         stall_timeout_s: end the run when no worker progressed for this long while
             some wait in a collective (`lockstep.launch.stall`); 0 turns the watch off.
         trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
+        secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
+            alone generates one): `lockstep.launch.secret`.
     """
 
     target: list[str]
@@ -65,6 +67,7 @@ class RunConfig:
     shutdown_timeout_s: int = 10
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:
