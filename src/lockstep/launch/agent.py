@@ -22,7 +22,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.errors import LockstepError
 from lockstep.launch import group
-from lockstep.launch.rendezvous import LockstepRendezvous
+from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
 from lockstep.launch.store import StoreUnreachable
@@ -76,7 +76,7 @@ class LockstepAgent(LocalElasticAgent):
         self._posted = False
         self.store_lost = False
         self.reports: dict[int, group.NodeReport] = {}
-        self._beats: dict[int, tuple[object, float]] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
         self._stop_beating = threading.Event()
         threading.Thread(target=self._beat, name="lockstep-heartbeat", daemon=True).start()
 
@@ -168,10 +168,11 @@ class LockstepAgent(LocalElasticAgent):
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""
-        if group.reports_posted(self.rendezvous) > 0:
-            others = set(group.read_reports(self.rendezvous, self.rendezvous.nnodes))
-            if others - {self.node_rank}:  # only sealed reports count
-                return "stopped its workers after a failure on another node"
+        aborted = self.rendezvous.take("abort")  # a late node claimed a rank already held
+        if isinstance(aborted, str):
+            raise NodeRankRendezvousError(aborted)
+        if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
+            return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
         if lost:
             nodes = ", ".join(map(str, lost))
@@ -196,7 +197,7 @@ class LockstepAgent(LocalElasticAgent):
                 continue
             count = self.rendezvous.take(ALIVE_KEY.format(node=node))
             last_count, since = self._beats.get(node, (-1, now))
-            if count != last_count:
+            if isinstance(count, int) and count > last_count:  # a replayed beat is no news
                 self._beats[node] = (count, now)
             elif now - since > self._silence_s:
                 silent.append(node)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from lockstep.launch.rendezvous import LockstepRendezvous
 
 REPORT_KEY = "report/{node}"  # keys within the current rendezvous round
-COUNT_KEY = "reports"
 LEFT_KEY = "left/{node}"
 # Messages that mean "a peer went away", the echo of a failure rather than its cause.
 _ECHO = re.compile(
@@ -83,17 +82,8 @@ class NodeReport:
 
 
 def post(board: LockstepRendezvous, report: NodeReport) -> None:
-    """Publish this node's report (sealed) for the current round and bump the round's count."""
+    """Publish this node's report, sealed, for the current round."""
     board.put(REPORT_KEY.format(node=report.node_rank), asdict(report))
-    board.store.call("add", board.key(COUNT_KEY), 1)
-
-
-def reports_posted(board: LockstepRendezvous) -> int:
-    """How many reports were announced in this round (0 while all is well); never blocks.
-
-    Anyone can bump this count: it only says that reading the (sealed) reports is worth it.
-    """
-    return int(board.store.call("add", board.key(COUNT_KEY), 0))
 
 
 def read_reports(board: LockstepRendezvous, nnodes: int) -> dict[int, NodeReport]:
