@@ -112,7 +112,7 @@ class LockstepRendezvous(RendezvousHandler):
         lost: StoreUnreachable | None = None
         while True:
             try:
-                found = step()
+                found, lost = step(), None
             except StoreUnreachable as error:
                 if lost is None:
                     log.warning("%s; dialing again until the join timeout", error)

@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from lockstep.engine import progress
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group, scratch, tracing
+from lockstep.launch import group, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route
@@ -41,7 +41,7 @@ from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo
 from lockstep.launch.report import summarize
 from lockstep.launch.secret import Signer, load_secret
 from lockstep.launch.stall import StallWatch
-from lockstep.launch.store import BoundedStore, host
+from lockstep.launch.store import BoundedStore
 from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
@@ -167,14 +167,19 @@ def run(cfg: RunConfig) -> int:
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
     with scratch.scratch_dir() as directory:
-        return _run_agent(cfg, prep, directory)
+        code = _run_agent(cfg, prep, directory)
+    if store.stuck():  # a store call that never returned would abort the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _open_store(cfg: RunConfig, prep: Prepared) -> tuple[object, BoundedStore]:
     """Node 0 hosts the launchers' store on the master address alone; every node dials it."""
     server, port = None, cfg.master_port
     if cfg.node_rank == 0:
-        server, port = host(prep.master_ip, cfg.master_port, cfg.rdzv_timeout_s)
+        server, port = store.host(prep.master_ip, cfg.master_port, cfg.rdzv_timeout_s)
     return server, BoundedStore(prep.master_ip, port, _silence_s(cfg))
 
 
@@ -183,9 +188,9 @@ def _run_agent(cfg: RunConfig, prep: Prepared, directory: Path) -> int:
     watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}", on_exit=on_exit)
     watchdog.pet("connecting to the rendezvous store", cfg.rdzv_timeout_s)
     try:
-        server, store = _open_store(cfg, prep)
+        server, client = _open_store(cfg, prep)
         rendezvous = LockstepRendezvous(
-            store, prep.signer, prep.me, cfg.nnodes, cfg.run_id, cfg.rdzv_timeout_s
+            client, prep.signer, prep.me, cfg.nnodes, cfg.run_id, cfg.rdzv_timeout_s
         )
         stalls = _stall_watch(cfg, directory / "progress")
         agent = _agent(cfg, rendezvous, watchdog, directory, stalls)
@@ -246,7 +251,7 @@ def _rendezvous_message(cfg: RunConfig, agent: LockstepAgent, error: Exception) 
     if isinstance(error, RendezvousTimeoutError):
         return (
             f"the {cfg.nnodes} nodes did not all join the rendezvous at {where} within "
-            f"{cfg.rdzv_timeout_s} s{_last_cause(agent)}. Check that every node runs "
+            f"{cfg.rdzv_timeout_s} s{_last_cause(agent)}: {error}. Check that every node runs "
             f"`lockstep run` with --nnodes {cfg.nnodes} and the same --master-addr and "
             "--master-port, and read the other nodes' logs."
         )

@@ -24,6 +24,8 @@ from torch.distributed import TCPStore
 
 from lockstep.errors import LockstepError
 
+STUCK_THREAD = "lockstep-store-stuck"
+
 
 class StoreUnreachable(LockstepError):
     """A store call did not complete within its bound (or the store refused the connection)."""
@@ -64,7 +66,8 @@ class _Connection:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.store: TCPStore | None = None
-        threading.Thread(target=self._serve, name="lockstep-store", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="lockstep-store", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -81,8 +84,20 @@ class _Connection:
         self._jobs.put((job, future))
         return future.result(timeout_s)
 
-    def close(self) -> None:
+    def close(self, stuck: bool = False) -> None:
+        """Let the thread end after its current call; `stuck`: that call may never return."""
+        if stuck:
+            self._thread.name = STUCK_THREAD
         self._jobs.put((None, None))
+
+
+def stuck() -> bool:
+    """Whether a store call of this process never returned (its thread blocks in C++).
+
+    Such a thread can abort the interpreter's exit, so the launcher then leaves with
+    `os._exit` once its cleanup is done.
+    """
+    return any(t.name == STUCK_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 class BoundedStore:
@@ -117,15 +132,15 @@ class BoundedStore:
         try:
             return conn.run(job, self.op_timeout_s)
         except (FutureTimeout, RuntimeError, OSError) as error:
-            self._drop(conn)
+            self._drop(conn, stuck=isinstance(error, FutureTimeout))
             what = "no answer" if isinstance(error, FutureTimeout) else str(error).splitlines()[0]
             raise StoreUnreachable(
                 f"the store at {self.endpoint} did not answer within {self.op_timeout_s:.0f} s "
                 f"({what or type(error).__name__})"
             ) from None
 
-    def _drop(self, conn: _Connection) -> None:
-        conn.close()
+    def _drop(self, conn: _Connection, stuck: bool = False) -> None:
+        conn.close(stuck)
         if self._conn is conn:
             self._conn = None
 
