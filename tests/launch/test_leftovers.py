@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from launchkit import TRAIN, Launcher, wait_all, wait_for
 
 REPORT_S = 10.0
@@ -38,6 +39,8 @@ def _single(tmp_path: Path, name: str, *script: str) -> Launcher:
     return Launcher(argv, tmp_path / f"{name}.log", env=_tmp(tmp_path))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_no_temp_folder_survives_a_run_a_failure_or_a_signal(tmp_path):
     ok = _single(tmp_path, "ok", "--steps", "2")
     failed = _single(tmp_path, "failed", "--raise-rank", "0")
