@@ -119,7 +119,8 @@ class LockstepAgent(LocalElasticAgent):
         self._watchdog.pet("stopped the workers")
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        self._watchdog.pet("watching the workers")
+        # A store call may wait for the heartbeat's call, each bounded by the store's bound.
+        self._watchdog.pet("watching the workers", 2 * self.rendezvous.store.op_timeout_s + 5)
         result = super()._monitor_workers(worker_group)
         try:
             return self._watch_group(worker_group, result)
