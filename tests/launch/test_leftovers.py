@@ -116,6 +116,7 @@ def test_a_foreign_program_on_the_master_port_is_reported_within_10_s(tmp_path):
         node1 = _node(1, port, tmp_path, "node1")
         took = _first_line_to_exit([node1], 60)
     log = node1.log()
+    print(f"foreign program reported {took:.1f} s after the launcher's first line")
     assert took < REPORT_S, f"{took:.1f} s\n{log}"
     assert node1.proc.returncode == 1
     assert f"the rendezvous store at 127.0.0.1:{port} does not answer" in log
@@ -129,6 +130,7 @@ def test_a_node_rank_given_twice_is_reported_within_10_s(tmp_path):
     launchers += [_node(1, port, tmp_path, f"node1{tag}") for tag in "ab"]
     took = _first_line_to_exit(launchers, 60)
     logs = [launcher.log() for launcher in launchers]
+    print(f"duplicated node rank reported {took:.1f} s after the last launcher's first line")
     assert took < REPORT_S, f"{took:.1f} s\n" + "\n".join(logs)
     assert [launcher.proc.returncode for launcher in launchers] == [1, 1, 1], logs
     for log in logs:
