@@ -137,7 +137,7 @@ class LockstepAgent(LocalElasticAgent):
             self.store_lost = True
             raise StoreLostError(self.rendezvous.endpoint, error, between) from None
         log.error("%s: the network between %s may be cut; rejoining", error, between)
-        self._end_round(f"lost the rendezvous store ({error})", [])
+        self._end_round(f"lost the rendezvous store ({error})", [], reachable=False)
         return RunResult(state=WorkerState.FAILED)
 
     def _watch_group(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
@@ -205,9 +205,16 @@ class LockstepAgent(LocalElasticAgent):
         return silent
 
     def _end_round(
-        self, cause: str, failures: list[group.WorkerFailure], final: bool = False
+        self,
+        cause: str,
+        failures: list[group.WorkerFailure],
+        final: bool = False,
+        reachable: bool = True,
     ) -> None:
-        """Stop local workers, post this node's report once, gather everyone's (unless final)."""
+        """Stop local workers, post this node's report once, gather everyone's (unless final).
+
+        `reachable=False`: the store just did not answer, so do not wait on it again.
+        """
         if self._posted:
             return
         self._stop_workers(self._worker_group)
@@ -217,6 +224,8 @@ class LockstepAgent(LocalElasticAgent):
         self._watchdog.pet("exchanging failure reports", 3 * self.rendezvous.store.op_timeout_s)
         self._posted = True
         try:
+            if not reachable:
+                raise StoreUnreachable(f"the store at {self.rendezvous.endpoint} did not answer")
             group.post(self.rendezvous, report)
             self.reports = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
         except StoreUnreachable as error:  # cut off: the others learn it from the silence
