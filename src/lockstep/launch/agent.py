@@ -104,7 +104,9 @@ class LockstepAgent(LocalElasticAgent):
         self._stop_beating.set()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self._watchdog.pet("joining the rendezvous", self._rdzv_timeout_s)
+        # The join's last store call may start just before its deadline and wait for two.
+        allow = self._rdzv_timeout_s + 2 * self.rendezvous.store.op_timeout_s
+        self._watchdog.pet("joining the rendezvous", allow)
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
         self._posted = False
