@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import subprocess
 import sys
 import time
@@ -28,6 +30,8 @@ from lockstep.testing.netns import Host, two_hosts, unavailable_reason
 WORKER = str(Path(__file__).with_name("collectives_topology_worker.py"))
 PORT = 29561  # inside our own namespaces: nothing else listens there
 TIMEOUT_S = 900
+# Both nodes need the same job secret; a scheduler would export it, this driver does.
+os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
 
 
 def _launch(argv: list[str], log: Path, host: Host | None) -> subprocess.Popen:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,8 @@ from lockstep.testing import run_ranks
 WORKER = str(Path(__file__).with_name("plan_vs_measured_worker.py"))
 PORT = 29571
 TIMEOUT_S = 1500
+# Both nodes need the same job secret; a scheduler would export it, this driver does.
+os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
 
 
 def _rank_mean(values) -> float:

@@ -8,6 +8,7 @@ OUT/node{N}.log (appended to when node 1 is started again). `read_pids` and
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from lockstep.testing.netns import Host
 
 TRAIN = str(Path(__file__).with_name("soak_train.py"))
 MASTER_PORT = 29561  # inside our own namespaces, so no other job can hold it
+# Both nodes need the same job secret; a scheduler would export it, this driver does.
+os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
 
 
 class Job:

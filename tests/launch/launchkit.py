@@ -21,6 +21,7 @@ from lockstep.testing.netns import Host
 
 TRAIN = str(Path(__file__).with_name("train_tiny.py"))
 MASTER_PORT = 29555  # inside our own namespaces, so no other job can hold it
+JOB_SECRET = "lockstep-tests-job-secret-6d1f0c"  # what a scheduler would export on every node
 
 
 class Launcher:
@@ -39,7 +40,7 @@ class Launcher:
             kwargs = {
                 "stdout": sink,
                 "stderr": subprocess.STDOUT,
-                "env": {**os.environ, **(env or {})},
+                "env": {**os.environ, "LOCKSTEP_JOB_SECRET": JOB_SECRET, **(env or {})},
             }
             self.proc = host.popen(argv, **kwargs) if host else subprocess.Popen(argv, **kwargs)
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from launchkit import MASTER_PORT, TRAIN, Launcher, node_args, wait_all
+from launchkit import JOB_SECRET, MASTER_PORT, TRAIN, Launcher, node_args, wait_all
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 RUN_CASES = (
@@ -68,7 +68,7 @@ def test_preflight_failures_are_plain_messages(hosts, tmp_path):
             [sys.executable, "-c", RUN_CASES, json.dumps(cases)],
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},  # as if chosen by the user
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "LOCKSTEP_JOB_SECRET": JOB_SECRET},
         )
         script = [TRAIN, "--out", str(tmp_path)]
         own = {  # node 1 facing the silent program; node 0 whose port it holds

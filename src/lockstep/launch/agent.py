@@ -17,32 +17,31 @@ import threading
 import time
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
-from lockstep.launch.rendezvous import NodeRankRendezvous
+from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
+from lockstep.launch.store import StoreUnreachable
 from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
-ALIVE_KEY = "lockstep/alive/{node}"
+ALIVE_KEY = "alive/{node}"  # within the current rendezvous round
 BEAT_S = 1.0
 
 
 class StoreLostError(LockstepError):
     """The rendezvous store (hosted by node 0's launcher) stopped answering."""
 
-    def __init__(self, endpoint: str, error: BaseException) -> None:
-        first_line = (str(error).splitlines() or [""])[0]
+    def __init__(self, endpoint: str, error: BaseException, between: str) -> None:
         super().__init__(
             f"lost the rendezvous store at {endpoint}, which node 0's launcher hosts "
-            f"({type(error).__name__}: {first_line}). Node 0 stopped or the network "
-            "between the nodes failed: check node 0's log."
+            f"({error}). Node 0 stopped or the network between {between} failed: check "
+            "node 0's log."
         )
 
 
@@ -75,7 +74,7 @@ class LockstepAgent(LocalElasticAgent):
         self._exits = exits
         self._watchdog = watchdog
         self._rdzv_timeout_s = rdzv_timeout_s
-        self.rendezvous: NodeRankRendezvous = self._worker_group.spec.rdzv_handler
+        self.rendezvous: LockstepRendezvous = self._worker_group.spec.rdzv_handler
         self._grace_s = grace_s
         self._silence_s = silence_s
         self._posted = False
@@ -94,19 +93,24 @@ class LockstepAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _beat(self) -> None:
+        """Post a sealed, ever-growing count: a stranger can neither fake nor replay it."""
         key = ALIVE_KEY.format(node=self.node_rank)
+        beat = 0
         while not self._stop_beating.wait(BEAT_S):
+            beat += 1
             try:
-                self.rendezvous.store.add(key, 1)
-            except dist.DistError:  # the store's host is gone; the watch step reports it
-                return
+                self.rendezvous.put(key, beat)
+            except StoreUnreachable:  # the watch step reports it, and the store is dialed again
+                continue
 
     def close(self) -> None:
         """Stop the heartbeat thread (the launcher is about to leave)."""
         self._stop_beating.set()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self._watchdog.pet("joining the rendezvous", self._rdzv_timeout_s)
+        # The join's last store call may start just before its deadline and wait for two.
+        allow = self._rdzv_timeout_s + 2 * self.rendezvous.store.op_timeout_s
+        self._watchdog.pet("joining the rendezvous", allow)
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
         self._posted = False
@@ -125,13 +129,26 @@ class LockstepAgent(LocalElasticAgent):
         self._watchdog.pet("stopped the workers")
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        self._watchdog.pet("watching the workers")
+        # A store call may wait for the heartbeat's call, each bounded by the store's bound.
+        self._watchdog.pet("watching the workers", 2 * self.rendezvous.store.op_timeout_s + 5)
         result = super()._monitor_workers(worker_group)
         try:
             return self._watch_group(worker_group, result)
-        except dist.DistError as error:
+        except StoreUnreachable as error:
+            return self._store_lost(error)
+
+    def _store_lost(self, error: StoreUnreachable) -> RunResult:
+        """Node 0's store did not answer: end the round and rejoin, or give up with no restarts."""
+        master = self.rendezvous.nodes.get(0)
+        between = f"node {self.node_rank} ({self.rendezvous.me.addr}) and node 0" + (
+            f" ({master.addr})" if master else ""
+        )
+        if self._remaining_restarts == 0 or self.node_rank == 0:
             self.store_lost = True
-            raise StoreLostError(self.rendezvous.endpoint, error) from None
+            raise StoreLostError(self.rendezvous.endpoint, error, between) from None
+        log.error("%s: the network between %s may be cut; rejoining", error, between)
+        self._end_round(f"lost the rendezvous store ({error})", [], reachable=False)
+        return RunResult(state=WorkerState.FAILED)
 
     def _watch_group(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         if self._exits is not None:
@@ -166,13 +183,26 @@ class LockstepAgent(LocalElasticAgent):
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""
-        if group.reports_posted(worker_group.store) > 0:
+        aborted = self.rendezvous.take("abort")  # a late node claimed a rank already held
+        if isinstance(aborted, str):
+            raise NodeRankRendezvousError(aborted)
+        if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
         if lost:
             nodes = ", ".join(map(str, lost))
-            return f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s"
+            return (
+                f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s (the network "
+                f"between node {self.node_rank} ({self.rendezvous.me.addr}) and "
+                f"{self._describe_nodes(lost)} failed, or it stopped)"
+            )
         return None
+
+    def _describe_nodes(self, nodes: list[int]) -> str:
+        known = self.rendezvous.nodes
+        return ", ".join(
+            f"node {n} ({known[n].addr})" if n in known else f"node {n}" for n in nodes
+        )
 
     def _silent_nodes(self) -> list[int]:
         now = time.monotonic()
@@ -180,29 +210,41 @@ class LockstepAgent(LocalElasticAgent):
         for node in range(self.rendezvous.nnodes):
             if node == self.node_rank:
                 continue
-            count = int(self.rendezvous.store.add(ALIVE_KEY.format(node=node), 0))
+            count = self.rendezvous.take(ALIVE_KEY.format(node=node))
             last_count, since = self._beats.get(node, (-1, now))
-            if count != last_count:
+            if isinstance(count, int) and count > last_count:  # a replayed beat is no news
                 self._beats[node] = (count, now)
             elif now - since > self._silence_s:
                 silent.append(node)
         return silent
 
     def _end_round(
-        self, cause: str, failures: list[group.WorkerFailure], final: bool = False
+        self,
+        cause: str,
+        failures: list[group.WorkerFailure],
+        final: bool = False,
+        reachable: bool = True,
     ) -> None:
-        """Stop local workers, post this node's report once, gather everyone's (unless final)."""
+        """Stop local workers, post this node's report once, gather everyone's (unless final).
+
+        `reachable=False`: the store just did not answer, so do not wait on it again.
+        """
         if self._posted:
             return
         self._stop_workers(self._worker_group)
         me = self.rendezvous.me
         report = group.NodeReport(me.node_rank, me.host, me.addr, cause, failures, final)
-        store = self._worker_group.store
-        self._watchdog.pet("exchanging failure reports")
-        group.post(store, report)
-        self._posted = True
         grace = 0.0 if final else self._grace_s
-        self.reports = group.gather(store, self.rendezvous.nnodes, grace)
+        self._watchdog.pet("exchanging failure reports", 3 * self.rendezvous.store.op_timeout_s)
+        self._posted = True
+        try:
+            if not reachable:
+                raise StoreUnreachable(f"the store at {self.rendezvous.endpoint} did not answer")
+            group.post(self.rendezvous, report)
+            self.reports = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
+        except StoreUnreachable as error:  # cut off: the others learn it from the silence
+            log.warning("could not exchange failure reports: %s", error)
+            self.reports = {me.node_rank: report}
         if any(r.final for r in self.reports.values()):
             self._remaining_restarts = 0  # a node that was stopped will not come back
 

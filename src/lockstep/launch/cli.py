@@ -61,18 +61,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with its stack and ended, and the run's result is the scripts' (default 30)",
     )
     run.add_argument(
-        "--trace",
-        metavar="DIR",
-        default=None,
-        help="every worker writes DIR/trace_rank<R>.json (LOCKSTEP_TRACE); at the end this "
-        "node merges them, draws DIR/timeline.png and prints the straggler line",
-    )
-    run.add_argument(
         "--engine",
         choices=["torch", "lockstep"],
         default=None,
         help="lockstep: torch's DistributedDataParallel builds lockstep's engine in every "
         "worker (LOCKSTEP_ENGINE), for Accelerate, Trainer and Lightning scripts unchanged",
+    )
+    run.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="every worker writes DIR/trace_rank<R>.json (LOCKSTEP_TRACE); at the end this "
+        "node merges them, draws DIR/timeline.png and prints the straggler line",
     )
     run.add_argument(
         "-m",
@@ -100,6 +100,11 @@ def _placement_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--local-addr",
         help="this node's address as the others reach it (default: the one routed to the master)",
+    )
+    run.add_argument(
+        "--secret-file",
+        help="file holding the job's secret, the same on every node (default: "
+        "LOCKSTEP_JOB_SECRET; one node alone generates one)",
     )
 
 
@@ -132,8 +137,9 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         rdzv_timeout_s=ns.rdzv_timeout,
         local_addr=ns.local_addr,
         stall_timeout_s=ns.stall_timeout,
-        exit_grace_s=ns.exit_grace,
         trace_dir=ns.trace,
+        secret_file=ns.secret_file,
+        exit_grace_s=ns.exit_grace,
         extra_env={"LOCKSTEP_ENGINE": ns.engine} if ns.engine else {},
     )
 

@@ -52,6 +52,8 @@ class RunConfig:
         trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
         exit_grace_s: seconds a worker may take to exit after its script ended well,
             before it is named with its stack and ended (`lockstep.launch.exitwatch`).
+        secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
+            alone generates one): `lockstep.launch.secret`.
     """
 
     target: list[str]
@@ -69,6 +71,7 @@ class RunConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or self.target == ["-m"]:

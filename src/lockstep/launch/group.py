@@ -11,16 +11,16 @@ together, and all of them can print the same summary of what went wrong first.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from torch.distributed import Store
+if TYPE_CHECKING:
+    from lockstep.launch.rendezvous import LockstepRendezvous
 
-REPORT_KEY = "lockstep/report/{node}"
-COUNT_KEY = "lockstep/reports"
-LEFT_KEY = "lockstep/left"
+REPORT_KEY = "report/{node}"  # keys within the current rendezvous round
+LEFT_KEY = "left/{node}"
 # Messages that mean "a peer went away", the echo of a failure rather than its cause.
 _ECHO = re.compile(
     r"connection (reset|closed|refused)|broken pipe|connectfullmesh|socket timeout|"
@@ -71,42 +71,37 @@ class NodeReport:
     failures: list[WorkerFailure] = field(default_factory=list)
     final: bool = False
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
     @classmethod
-    def from_json(cls, text: str | bytes) -> NodeReport:
-        data = json.loads(text)
-        data["failures"] = [WorkerFailure(**item) for item in data["failures"]]
-        return cls(**data)
+    def from_dict(cls, data: dict) -> NodeReport | None:
+        """The report from its `asdict` form; None when the fields do not match."""
+        try:
+            failures = [WorkerFailure(**item) for item in data["failures"]]
+            return cls(**{**data, "failures": failures})
+        except (TypeError, KeyError):
+            return None
 
 
-def post(store: Store, report: NodeReport) -> None:
-    """Publish this node's report for the current round and bump the round's report count."""
-    store.set(REPORT_KEY.format(node=report.node_rank), report.to_json())
-    store.add(COUNT_KEY, 1)
+def post(board: LockstepRendezvous, report: NodeReport) -> None:
+    """Publish this node's report, sealed, for the current round."""
+    board.put(REPORT_KEY.format(node=report.node_rank), asdict(report))
 
 
-def reports_posted(store: Store) -> int:
-    """How many nodes have reported in this round (0 while all is well); never blocks."""
-    return int(store.add(COUNT_KEY, 0))
-
-
-def read_reports(store: Store, nnodes: int) -> dict[int, NodeReport]:
-    """The reports posted so far, by node rank; never blocks."""
+def read_reports(board: LockstepRendezvous, nnodes: int) -> dict[int, NodeReport]:
+    """The reports posted so far and sealed with the job's secret, by node rank."""
     found = {}
     for node in range(nnodes):
-        key = REPORT_KEY.format(node=node)
-        if store.check([key]):
-            found[node] = NodeReport.from_json(store.get(key))
+        data = board.take(REPORT_KEY.format(node=node))
+        report = NodeReport.from_dict(data) if isinstance(data, dict) else None
+        if report is not None and report.node_rank == node:
+            found[node] = report
     return found
 
 
-def gather(store: Store, nnodes: int, grace_s: float) -> dict[int, NodeReport]:
+def gather(board: LockstepRendezvous, nnodes: int, grace_s: float) -> dict[int, NodeReport]:
     """Wait up to `grace_s` for every node's report; return those that came."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = read_reports(store, nnodes)
+        found = read_reports(board, nnodes)
         if len(found) == nnodes or time.monotonic() >= deadline:
             return found
         time.sleep(0.05)
@@ -120,14 +115,16 @@ def first_failure(reports: dict[int, NodeReport]) -> WorkerFailure | None:
     return min(failures, key=lambda f: (f.is_echo, f.detected, f.rank))
 
 
-def leave(store: Store, nnodes: int, wait_s: float) -> None:
-    """Count this node out of the job; wait up to `wait_s` for every node to be out.
+def leave(board: LockstepRendezvous, expected: int, wait_s: float) -> None:
+    """Count this node out of the job; wait up to `wait_s` for `expected` nodes to be out.
 
     Node 0 hosts the store in its launcher, so it waits before exiting: the others
     may still be reading reports from it.
     """
-    left = int(store.add(LEFT_KEY, 1))
+    board.put(LEFT_KEY.format(node=board.me.node_rank), True)
     deadline = time.monotonic() + wait_s
-    while left < nnodes and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        nodes = range(board.nnodes)
+        if sum(board.take(LEFT_KEY.format(node=node)) is True for node in nodes) >= expected:
+            return
         time.sleep(0.05)
-        left = int(store.add(LEFT_KEY, 0))

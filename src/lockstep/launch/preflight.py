@@ -4,7 +4,8 @@ Run by every node before the rendezvous, so a wrong address, a closed port or a
 firewall fails in seconds with a message that names the node, the address and
 the port, and says what to check, instead of a hang or a C++ trace. Node 0 checks
 that the master address is one of its own and that the port is free; the others
-wait (up to the rendezvous timeout) for the master's port to answer.
+wait (up to the rendezvous timeout) for the master's port to answer, then check
+within seconds that what answers is a store (not some other program).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import time
 from lockstep.errors import LockstepError
 from lockstep.launch.config import RunConfig
 from lockstep.launch.netif import Route, is_loopback, resolve, route_to
+from lockstep.launch.store import BoundedStore, StoreUnreachable
 
 log = logging.getLogger("lockstep.run")
 PROBE_TIMEOUT_S = 2.0
+STORE_PROBE_S = 5.0  # a store answers at once; a foreign program never does
 _CHECK = (
     "Check that node 0 runs `lockstep run` with the same --master-port, that {addr} is node "
     "0's address on a network this node reaches (`ip route get {ip}`), and that no firewall "
@@ -100,7 +103,8 @@ def wait_for_master(cfg: RunConfig, ip: str, timeout_s: float) -> None:
     while True:
         try:
             with socket.create_connection((ip, cfg.master_port), timeout=PROBE_TIMEOUT_S):
-                return
+                pass
+            return check_store_answers(cfg, ip)
         except OSError as error:
             last = error.strerror or str(error) or type(error).__name__
         if time.monotonic() >= deadline:
@@ -114,6 +118,27 @@ def wait_for_master(cfg: RunConfig, ip: str, timeout_s: float) -> None:
         f"node {cfg.node_rank} cannot reach the master at {cfg.master_addr}:{cfg.master_port} "
         f"({ip}) after {timeout_s:.0f} s: {last}. {check}"
     )
+
+
+def check_store_answers(cfg: RunConfig, ip: str) -> None:
+    """What listens on the master port answers as a store within seconds.
+
+    Raises:
+        PreflightError: it does not (another program holds the port, or node 0 is frozen).
+    """
+    probe = BoundedStore(ip, cfg.master_port, STORE_PROBE_S)
+    try:
+        probe.call("check", ["lockstep/probe"])
+    except StoreUnreachable as error:
+        raise PreflightError(
+            f"node {cfg.node_rank}: the rendezvous store at {cfg.master_addr}:"
+            f"{cfg.master_port} does not answer ({error}): something accepts TCP "
+            "connections on that port but is not node 0's `lockstep run` (another program "
+            "listens there, or node 0 is frozen). Check --master-addr and --master-port, "
+            "and what listens on that port on node 0 (`ss -ltnp`)."
+        ) from None
+    finally:
+        probe.close()
 
 
 def find_route(cfg: RunConfig) -> tuple[str, Route]:

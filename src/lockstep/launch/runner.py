@@ -1,11 +1,13 @@
 """Start this node's workers through torch.distributed.elastic and report how they ended.
 
 `run(cfg)` is everything `lockstep run` does on one node: pre-flight checks
-(`preflight`), choice of address and interface (logged, and given to gloo and
-NCCL unless the user chose), the c10d rendezvous (`rendezvous`), the elastic agent
+(`preflight`), the job's secret (`secret`), choice of address and interface (logged,
+and given to gloo and NCCL unless the user chose), node 0's store on that address
+alone (`store`), lockstep's sealed rendezvous (`rendezvous`), the elastic agent
 with whole-group failover (`agent`), and one short summary when it ends badly.
 Workers start as `python -m lockstep.launch.bootstrap`, which records their
-tracebacks and ties their lives to this launcher's.
+tracebacks and ties their lives to this launcher's; what the run writes on the
+side lives in one scratch folder (`scratch`), removed however the run ends.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -29,22 +31,32 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group, tracing
+from lockstep.launch import group, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.exitwatch import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
-from lockstep.launch.rendezvous import NodeInfo, build
+from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo
 from lockstep.launch.report import summarize
+from lockstep.launch.secret import Signer, load_secret
 from lockstep.launch.stall import StallWatch
+from lockstep.launch.store import BoundedStore
 from lockstep.launch.watchdog import Watchdog
 from lockstep.runtime import progress
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+class Prepared(NamedTuple):
+    """What the checks before the rendezvous found: who this node is, the master, the seal."""
+
+    me: NodeInfo
+    master_ip: str
+    signer: Signer
 
 
 def _setup_logging(node_rank: int) -> None:
@@ -73,14 +85,17 @@ def _set_worker_env(cfg: RunConfig, route: Route) -> str:
     """Variables the workers inherit; returns how the interface was chosen, for the log."""
     os.environ.setdefault("OMP_NUM_THREADS", _worker_threads(cfg))
     os.environ.update(cfg.extra_env)
+    # Every worker's ranks are node_rank * nproc + local_rank: torch's agent needs no store.
+    os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
     chosen = read_socket_ifnames()
     parts = [f"{name}={value} as set" for name, value in chosen.items()]
     unset = [name for name in IFNAME_VARIABLES if name not in chosen]
-    if cfg.nnodes > 1 and route.interface is not None and unset:
+    # gloo listens on this interface alone (one node: loopback, so nothing is reachable).
+    if route.interface is not None and unset:
         os.environ.update({name: route.interface for name in unset})
         parts.insert(0, f"{route.interface} ({', '.join(unset)})")
     elif unset:
-        parts.append("not set (single node)" if cfg.nnodes == 1 else "unknown: set them")
+        parts.append("unknown: set them")
     return "; ".join(parts)
 
 
@@ -88,20 +103,28 @@ def _stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
     """The workers' progress watch; its files' folder is exported to the workers."""
     if not cfg.stall_timeout_s:
         return None
+    directory.mkdir()
     os.environ[progress.DIR_VARIABLE] = str(directory)
     return StallWatch(directory, cfg.stall_timeout_s, cfg.nnodes)
 
 
 def _exit_watch(cfg: RunConfig, directory: Path) -> ExitWatch:
     """The bound on a worker's exit after its script ended; its folder is exported too."""
+    directory.mkdir(exist_ok=True)
     os.environ[EXIT_DIR_VARIABLE] = str(directory)
     return ExitWatch(directory, cfg.exit_grace_s)
 
 
+def _silence_s(cfg: RunConfig) -> float:
+    """How long a node may go unheard (heartbeat, store call) before it counts as lost."""
+    return max(10.0, cfg.rdzv_timeout_s / 4)
+
+
 def _agent(
     cfg: RunConfig,
-    me: NodeInfo,
+    rendezvous: LockstepRendezvous,
     watchdog: Watchdog,
+    directory: Path,
     stalls: StallWatch | None = None,
     exits: ExitWatch | None = None,
 ) -> LockstepAgent:
@@ -110,19 +133,19 @@ def _agent(
         local_world_size=cfg.nproc_per_node,
         entrypoint=sys.executable,
         args=("-u", "-m", "lockstep.launch.bootstrap", "--parent", str(os.getpid()), *cfg.target),
-        rdzv_handler=build(cfg, me),
+        rdzv_handler=rendezvous,
         max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
-        local_addr=me.addr,
+        local_addr=rendezvous.me.addr,
     )
     return LockstepAgent(
         spec,
-        DefaultLogsSpecs(),
+        DefaultLogsSpecs(log_dir=str(directory / "elastic")),
         start_method="spawn",
         exit_barrier_timeout=cfg.rdzv_timeout_s,
         shutdown_timeout=cfg.shutdown_timeout_s,
         grace_s=GRACE_S,
-        silence_s=max(10.0, cfg.rdzv_timeout_s / 4),
+        silence_s=_silence_s(cfg),
         rdzv_timeout_s=cfg.rdzv_timeout_s,
         watchdog=watchdog,
         stalls=stalls,
@@ -148,28 +171,45 @@ def run(cfg: RunConfig) -> int:
     """
     _setup_logging(cfg.node_rank)
     try:
-        me = _prepare(cfg)
+        prep = _prepare(cfg)
     except LockstepError as error:
         log.error("%s", error)
         return 1
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
-    with tempfile.TemporaryDirectory(prefix="lockstep-progress-") as directory:
-        stalls = _stall_watch(cfg, Path(directory))
-        return _run_agent(cfg, me, stalls, _exit_watch(cfg, Path(directory)))
+    with scratch.scratch_dir() as directory:
+        code = _run_agent(cfg, prep, directory)
+    if store.stuck():  # a store call that never returned would abort the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _run_agent(
-    cfg: RunConfig, me: NodeInfo, stalls: StallWatch | None, exits: ExitWatch | None = None
-) -> int:
-    watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}")
+def _open_store(cfg: RunConfig, prep: Prepared) -> tuple[object, BoundedStore]:
+    """Node 0 hosts the launchers' store on the master address alone; every node dials it."""
+    server, port = None, cfg.master_port
+    if cfg.node_rank == 0:
+        server, port = store.host(prep.master_ip, cfg.master_port, cfg.rdzv_timeout_s)
+    return server, BoundedStore(prep.master_ip, port, _silence_s(cfg))
+
+
+def _run_agent(cfg: RunConfig, prep: Prepared, directory: Path) -> int:
+    on_exit = lambda: scratch.remove(directory)  # noqa: E731
+    watchdog = Watchdog(f"{cfg.master_addr}:{cfg.master_port}", on_exit=on_exit)
     watchdog.pet("connecting to the rendezvous store", cfg.rdzv_timeout_s)
     try:
-        agent = _agent(cfg, me, watchdog, stalls, exits)
-    except (RendezvousError, dist.DistError) as error:
+        server, client = _open_store(cfg, prep)
+        rendezvous = LockstepRendezvous(
+            client, prep.signer, prep.me, cfg.nnodes, cfg.run_id, cfg.rdzv_timeout_s
+        )
+        stalls = _stall_watch(cfg, directory / "progress")
+        exits = _exit_watch(cfg, directory / "exits")
+        agent = _agent(cfg, rendezvous, watchdog, directory, stalls, exits)
+    except (RendezvousError, dist.DistError, OSError) as error:
         watchdog.stop()
         log.error(
-            "cannot use the rendezvous store at %s:%d: %s", cfg.master_addr, cfg.master_port, error
+            "cannot host the rendezvous store at %s:%d: %s", cfg.master_addr, cfg.master_port, error
         )
         return 1
     code, others_may_read = 1, False
@@ -181,17 +221,19 @@ def _run_agent(
         _leave(cfg, agent, others_may_read)
         watchdog.stop()
     tracing.report(cfg)
+    del server  # node 0 hosted the store until every node left
     return code
 
 
-def _prepare(cfg: RunConfig) -> NodeInfo:
-    """Pre-flight, address and interface (logged, exported to the workers); who this node is."""
+def _prepare(cfg: RunConfig) -> Prepared:
+    """Pre-flight, secret, address and interface (logged, exported to the workers)."""
     ip, route = find_route(cfg)
+    signer = Signer(load_secret(cfg.nnodes, cfg.secret_file, cfg.node_rank))
     me = NodeInfo(cfg.node_rank, socket.gethostname(), route.local_addr)
     _describe_start(cfg, me, route, _set_worker_env(cfg, route))
     tracing.prepare(cfg)
     check_master(cfg, ip)
-    return me
+    return Prepared(me, ip, signer)
 
 
 def _supervise(cfg: RunConfig, agent: LockstepAgent) -> tuple[int, bool]:
@@ -221,7 +263,7 @@ def _rendezvous_message(cfg: RunConfig, agent: LockstepAgent, error: Exception) 
     if isinstance(error, RendezvousTimeoutError):
         return (
             f"the {cfg.nnodes} nodes did not all join the rendezvous at {where} within "
-            f"{cfg.rdzv_timeout_s} s{_last_cause(agent)}. Check that every node runs "
+            f"{cfg.rdzv_timeout_s} s{_last_cause(agent)}: {error}. Check that every node runs "
             f"`lockstep run` with --nnodes {cfg.nnodes} and the same --master-addr and "
             "--master-port, and read the other nodes' logs."
         )
@@ -254,7 +296,7 @@ def _leave(cfg: RunConfig, agent: LockstepAgent, others_may_read: bool) -> None:
         alive = len(agent.reports)
     wait_s = GRACE_S if cfg.node_rank == 0 and others_may_read else 0.0
     try:
-        group.leave(agent.rendezvous.store, alive, wait_s)
+        group.leave(agent.rendezvous, alive, wait_s)
         agent.rendezvous.shutdown()
     except Exception as error:  # the store may be gone (node 0 left first)
         log.debug("leaving the rendezvous: %s", error)

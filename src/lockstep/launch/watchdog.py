@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("lockstep.run")
 EXIT_CODE = 1
@@ -28,10 +29,18 @@ class Watchdog:
         endpoint: the rendezvous store's host:port, for the message.
         step_s: how long a step may take when `pet` names no other bound.
         margin_s: slack added to every bound (a loaded machine is slow).
+        on_exit: called just before the process ends (cleanup that must not be skipped).
     """
 
-    def __init__(self, endpoint: str, step_s: float = 30.0, margin_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        step_s: float = 30.0,
+        margin_s: float = 10.0,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self._on_exit = on_exit
         self.step_s = step_s
         self.margin_s = margin_s
         self._deadline = time.monotonic() + step_s + margin_s
@@ -62,4 +71,6 @@ class Watchdog:
                     self.endpoint,
                 )
                 sys.stderr.flush()
+                if self._on_exit is not None:
+                    self._on_exit()
                 os._exit(EXIT_CODE)

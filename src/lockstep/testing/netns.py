@@ -3,8 +3,10 @@
 Tests and benchmarks use this to run `lockstep run --nnodes 2` as if on two
 machines: each namespace has its own loopback and one veth end with its own
 address (10.213.N.1 and 10.213.N.2 by default), so processes inside can only
-reach each other over that link, whose rate and delay `tc` can set. Needs root
-and iproute2 (`ip`, `tc`). Typical use:
+reach each other over that link, whose rate and delay `tc` can set; `lan(n)` puts
+n hosts on one switch (a bridge in a namespace of its own), for a third host that
+watches or attacks, and `cut`/`heal` drop every packet a host sends (a partition
+without netem). Needs root and iproute2 (`ip`, `tc`). Typical use:
 
     with two_hosts(rate="1gbit") as (a, b):
         proc = b.popen(["python", "-c", "..."])
@@ -195,18 +197,21 @@ def _build(tag: str, link: str, subnet: int, hosts: list[Host]) -> None:
         hosts.append(host)
 
 
+def _kill_inside(namespace: str) -> None:
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
+    ).stdout.split()
+    for pid in pids:
+        with suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
 def _destroy(tag: str, link: str) -> None:
     """Kill what still runs inside the namespaces (ours by construction), then delete them."""
     subprocess.run(["ip", "link", "del", f"{link}a"], capture_output=True, check=False)
     for suffix in "ab":
-        name = f"{tag}{suffix}"
-        pids = subprocess.run(
-            ["ip", "netns", "pids", name], capture_output=True, text=True, check=False
-        ).stdout.split()
-        for pid in pids:
-            with suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        _kill_inside(f"{tag}{suffix}")
 
 
 @contextmanager
@@ -239,3 +244,57 @@ def two_hosts(
         yield hosts[0], hosts[1]
     finally:
         _destroy(tag, link)
+
+
+def cut(host: Host) -> None:
+    """Drop every packet `host` sends on its link (a queue of length 0); `heal` undoes it.
+
+    Cutting both ends of a link is a silent partition: no reset, no error, no packet.
+    """
+    queue = ["pfifo", "limit", "0"]
+    _call(host.command(["tc", "qdisc", "replace", "dev", host.interface, "root", *queue]))
+
+
+def heal(host: Host) -> None:
+    """Let `host` send again after `cut` (removes its qdisc)."""
+    shape(host)
+
+
+def _build_lan(tag: str, link: str, subnet: int, count: int, hosts: list[Host]) -> None:
+    switch = f"{tag}s"
+    _ip("netns", "add", switch)
+    _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+    _ip("-n", switch, "link", "set", "br0", "up")
+    for index in range(count):
+        host = Host(f"{tag}{index}", f"{link}{index}", f"10.214.{subnet}.{index + 1}")
+        port = f"{link}p{index}"
+        _ip("netns", "add", host.namespace)
+        _ip("link", "add", host.interface, "type", "veth", "peer", "name", port)
+        _ip("link", "set", host.interface, "netns", host.namespace)
+        _ip("link", "set", port, "netns", switch)
+        _ip("-n", switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface)
+        _ip("-n", host.namespace, "link", "set", host.interface, "up")
+        _ip("-n", host.namespace, "link", "set", "lo", "up")
+        hosts.append(host)
+
+
+@contextmanager
+def lan(count: int = 3, prefix: str = "ln") -> Iterator[list[Host]]:
+    """`count` namespaces on one switch, addressed 10.214.N.1, 10.214.N.2, ... (/24).
+
+    Raises:
+        NetnsUnavailable: as for `two_hosts`, or the kernel has no bridge.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise NetnsUnavailable(reason)
+    tag, link, subnet = _names(prefix)
+    hosts: list[Host] = []
+    try:
+        _build_lan(tag, link[:10], subnet, count, hosts)
+        yield hosts
+    finally:
+        for index in range(count):
+            _kill_inside(f"{tag}{index}")
+        _kill_inside(f"{tag}s")

@@ -1,0 +1,95 @@
+"""The job's secret, and the seal (HMAC-SHA256) on every value lockstep writes to the store.
+
+Anyone who reaches the rendezvous port can read and write the store: torch's TCPStore
+has no authentication. So every value the launchers act on (rendezvous claims,
+failure reports, heartbeats) is JSON sealed with an HMAC of the job's secret over
+the key and the text (RFC 2104, stdlib `hmac`); a value that does not open is
+ignored. One node alone generates its secret; several nodes share one given by
+the user (LOCKSTEP_JOB_SECRET, or --secret-file on a shared file system).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from lockstep.errors import LockstepError
+
+SECRET_VARIABLE = "LOCKSTEP_JOB_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+class SecretError(LockstepError):
+    """No usable job secret: the message says where lockstep looked and what to do."""
+
+
+def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> bytes:
+    """The job's secret: --secret-file, else LOCKSTEP_JOB_SECRET, else (one node) a new one.
+
+    The secret ends up in this process's LOCKSTEP_JOB_SECRET, which the workers inherit.
+
+    Raises:
+        SecretError: several nodes and no secret given, or one too short to guess-proof.
+    """
+    if secret_file:
+        try:
+            text = Path(secret_file).read_text().strip()
+        except OSError as error:
+            raise SecretError(
+                f"node {node_rank} cannot read --secret-file {secret_file}: {error.strerror}"
+            ) from None
+    else:
+        text = os.environ.get(SECRET_VARIABLE, "").strip()
+    if not text and nnodes == 1:
+        text = secrets.token_hex(32)
+    if not text:
+        raise SecretError(
+            f"node {node_rank}: a job on {nnodes} nodes needs a shared secret, so that no "
+            "other host on the network can forge messages in its rendezvous store. Set "
+            f"{SECRET_VARIABLE} to the same value on every node (for example "
+            "`export LOCKSTEP_JOB_SECRET=$(openssl rand -hex 32)` in the job script), or pass "
+            "--secret-file with a file every node reads (mode 600, on a shared file system)."
+        )
+    if len(text) < MIN_SECRET_CHARS:
+        raise SecretError(
+            f"node {node_rank}: the job secret has {len(text)} characters; expected at least "
+            f"{MIN_SECRET_CHARS} (for example `openssl rand -hex 32`)."
+        )
+    os.environ[SECRET_VARIABLE] = text
+    return text.encode()
+
+
+class Signer:
+    """Seals values with the job's secret, and opens only those it sealed."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def _mac(self, key: str, text: str) -> str:
+        message = key.encode() + b"\0" + text.encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: Any) -> str:
+        """`value` as JSON, with the HMAC of (key, JSON): the value to store under `key`."""
+        text = json.dumps(value, sort_keys=True)
+        return json.dumps({"v": text, "mac": self._mac(key, text)})
+
+    def open(self, key: str, stored: str | bytes | None) -> Any | None:
+        """The value sealed under `key`; None when absent, malformed or not sealed by us."""
+        if not stored:
+            return None
+        try:
+            outer = json.loads(stored)
+            text, mac = outer["v"], outer["mac"]
+            if not (isinstance(text, str) and isinstance(mac, str)):
+                return None
+            if not hmac.compare_digest(mac, self._mac(key, text)):
+                return None
+            return json.loads(text)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            return None
