@@ -18,6 +18,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from lockstep.env import read_variable
 from lockstep.errors import LockstepError
 
 SECRET_VARIABLE = "LOCKSTEP_JOB_SECRET"
@@ -44,7 +45,7 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
                 f"node {node_rank} cannot read --secret-file {secret_file}: {error.strerror}"
             ) from None
     else:
-        text = os.environ.get(SECRET_VARIABLE, "").strip()
+        text = (read_variable(SECRET_VARIABLE) or "").strip()
     if not text and nnodes == 1:
         text = secrets.token_hex(32)
     if not text:
