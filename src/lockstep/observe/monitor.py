@@ -88,9 +88,8 @@ class Monitor:
             )
         if not hasattr(ddp, "stats"):
             raise ValueError(
-                "Monitor expected a lockstep engine (DistributedDataParallel or "
-                f"ShardedDataParallel: it reads model.stats); found {type(ddp).__name__}. "
-                "Wrap the model with one of them."
+                "Monitor expected a lockstep.DistributedDataParallel or ShardedDataParallel "
+                f"(it reads model.stats); found {type(ddp).__name__}. Wrap the model with one."
             )
         # The ranks described are those of the model's group: its context, not the
         # job's, so a model on a subgroup is averaged over that subgroup.
