@@ -227,7 +227,7 @@ def test_monitor_rejects_bad_input_with_a_clear_message():
     from lockstep import DistContext, Monitor
 
     ctx = DistContext(0, 0, 1, 1, 0, "gloo", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"Monitor expected a lockstep engine"):
+    with pytest.raises(ValueError, match=r"expected a lockstep\.DistributedDataParallel"):
         Monitor(nn.Linear(2, 2), ctx)
     with pytest.raises(ValueError, match="log_every >= 1"):
         Monitor(nn.Linear(2, 2), ctx, log_every=0)
