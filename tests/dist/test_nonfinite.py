@@ -96,3 +96,38 @@ def test_skip_mode_equals_a_run_that_skips_the_step_bitwise(engine, oracle):
         assert "raised_at" not in run and run["skipped"] == 1, run
         for mine, theirs in zip(run["state"], result["oracle"]["state"], strict=True):
             assert torch.equal(mine, theirs)
+
+
+def _amp_fp16(ctx, engine: str) -> dict:
+    """fp16 autocast with a GradScaler whose first scales overflow on purpose (default mode)."""
+    model, wrapped = _wrap(engine, "raise")
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    scales = []
+    for step in range(1, 5):
+        gen = torch.Generator().manual_seed(100 * step + ctx.rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = wrapped(x)
+        loss = ((out.float() - y) ** 2).mean()
+        try:
+            scaler.scale(loss).backward()
+        except NonFiniteGradientError as error:
+            return {"raised_at": step, "error": str(error)}
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"state": _state(model), "scales": scales}
+
+
+def test_fp16_autocast_overflow_is_left_to_the_grad_scaler():
+    """A GradScaler's deliberate inf is not an error: lockstep's default equals torch's DDP."""
+    ours = run_ranks(_amp_fp16, 2, "ddp", deadline_s=120)
+    torch_ddp = run_ranks(_amp_fp16, 2, "torch", deadline_s=120)
+    for rank in range(2):
+        assert "raised_at" not in ours[rank], ours[rank].get("error")
+        assert ours[rank]["scales"] == torch_ddp[rank]["scales"]
+        assert ours[rank]["scales"][0] < 2.0**40  # the scaler did skip overflowing steps
+        for mine, theirs in zip(ours[rank]["state"], torch_ddp[rank]["state"], strict=True):
+            assert torch.equal(mine, theirs)

@@ -212,6 +212,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
+            self.nonfinite.note_forward()  # fp16 autocast: GradScaler owns overflow
             if self._static is not None:
                 output = self._static.wrap_output(output)
         else:

@@ -56,6 +56,14 @@ class Finding:
     kind: str  # "NaN" or "inf"
 
 
+def _fp16_autocast() -> bool:
+    """Whether fp16 autocast is on for CUDA or the CPU (where GradScaler's inf is expected)."""
+    return any(
+        torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
+        for device in ("cuda", "cpu")
+    )
+
+
 def _kind(grad: torch.Tensor) -> str:
     return "NaN" if bool(torch.isnan(grad).any()) else "inf"
 
@@ -92,6 +100,16 @@ class FiniteGuard:
         self.last_step_skipped = False
         self._found: list[Finding] = []
         self._device = torch.device("cpu")
+        self.scaler_owns = False  # the step's forward ran under fp16 autocast
+
+    def note_forward(self) -> None:
+        """A synchronised forward ran: under fp16 autocast a gradient scaler owns overflow.
+
+        torch.amp.GradScaler scales fp16 losses until gradients overflow to inf, on
+        purpose, and skips those steps itself; such a step is left to it (checked
+        nothing, raised nothing), whatever the mode.
+        """
+        self.scaler_owns = _fp16_autocast()
 
     def wrap(self, collective: BucketCollective) -> BucketCollective:
         """`collective`, checking each bucket before it starts (itself when the mode is off)."""
@@ -103,6 +121,8 @@ class FiniteGuard:
         """Before the bucket's collective: note its non-finite local gradients, if any."""
         buffer = bucket.buffer
         self._device = buffer.device
+        if self.scaler_owns:
+            return
         total = buffer.sum(dtype=torch.float64 if buffer.dtype == torch.float64 else torch.float32)
         if math.isfinite(total.item()):
             return
@@ -158,8 +178,8 @@ def describe(everyone: list[list[Finding]], step: int, rank: int) -> str:
         "was dropped, so the parameters are unchanged.) A NaN or inf loss on a rank gives "
         "such gradients: look at that rank's batch and loss at that step (a log of 0, a "
         "division by zero, a learning rate too high). To skip such steps as a gradient "
-        "scaler does, pass nonfinite='skip' to the wrapper; with torch.amp.GradScaler, "
-        "whose infinities are expected, pass nonfinite='off'."
+        "scaler does, pass nonfinite='skip' to the wrapper (steps whose forward ran under "
+        "fp16 autocast are left to torch.amp.GradScaler)."
     )
 
 

@@ -182,6 +182,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             self.scheduler.end_forward()
         if grad_enabled and self.require_backward_grad_sync:
             self.grad_sync.arm(start, time.perf_counter())
+            self.nonfinite.note_forward()  # fp16 autocast: GradScaler owns overflow
         else:
             driver.forward_without_sync(accumulating=grad_enabled)
         if self.timeline is not None and span is not None:
