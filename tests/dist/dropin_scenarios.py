@@ -108,7 +108,7 @@ def bucket_layout(ddp) -> list[list[str]]:
     The one place that reads a private interface: torch's class describes its rebuilt
     buckets only in its logging data (indices into the trainable parameters).
     """
-    if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+    if hasattr(ddp, "bucket_layout"):  # lockstep's engine, under its name or torch's
         return ddp.bucket_layout()
     names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
     cut = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,7 +39,7 @@ from lockstep.launch.exitwatch import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
-from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo
+from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
 from lockstep.launch.report import summarize
 from lockstep.launch.secret import Signer, load_secret
 from lockstep.launch.stall import StallWatch
@@ -48,6 +49,7 @@ from lockstep.runtime import progress
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
+ABORT_LINGER_S = 1.5  # node 0 after a duplicated --node-rank: the others poll every 0.1 s
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -204,7 +206,7 @@ def _run_agent(cfg: RunConfig, prep: Prepared, directory: Path) -> int:
             client, prep.signer, prep.me, cfg.nnodes, cfg.run_id, cfg.rdzv_timeout_s
         )
         stalls = _stall_watch(cfg, directory / "progress")
-        exits = _exit_watch(cfg, directory / "exits")
+        exits = _exit_watch(cfg, directory / "progress")  # stacks land beside progress
         agent = _agent(cfg, rendezvous, watchdog, directory, stalls, exits)
     except (RendezvousError, dist.DistError, OSError) as error:
         watchdog.stop()
@@ -247,6 +249,11 @@ def _supervise(cfg: RunConfig, agent: LockstepAgent) -> tuple[int, bool]:
     except KeyboardInterrupt:
         agent.announce_stop("its launcher was interrupted (SIGINT)")
         return 128 + int(signal.SIGINT), True
+    except NodeRankRendezvousError as error:
+        log.error("%s", _rendezvous_message(cfg, agent, error))
+        if cfg.node_rank == 0:  # keep the store up while every holder of the rank reads it
+            time.sleep(ABORT_LINGER_S)
+        return 1, False
     except (LockstepError, RendezvousError) as error:
         log.error("%s", _rendezvous_message(cfg, agent, error))
         return 1, False
