@@ -16,12 +16,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH)
 	touch $(STAMP)
 
+# Three pytest-xdist workers on two cores: most multi-rank tests wait (process start,
+# rendezvous, timed faults) more than they compute. Namespace, Slurm and MPI tests each
+# keep to one worker (tests/conftest.py), so their timed heartbeats never race each other.
+PYTEST  := $(BIN)/python -m pytest -q -n 3 --dist loadgroup
+
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 # The inner loop: every test but those marked slow (launchers end to end, two nodes).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # A character-level GPT on the standard library's source, 2 processes; pictures in runs/gpt_demo/.
 demo: install

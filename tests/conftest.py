@@ -28,3 +28,13 @@ def _hygiene():
     after = {name: os.environ.get(name) for name in _LAUNCH_VARS}
     assert not leaked_group, "a test left the default process group initialized"
     assert after == before, f"a test changed launcher variables: {before} -> {after}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`), tests that build network namespaces, a Slurm
+    cluster or an MPI job run one at a time, on one worker each: they time real
+    heartbeats and cuts, which must not share the two cores with each other."""
+    for item in items:
+        for kind in ("netns", "slurm", "mpi"):
+            if item.get_closest_marker(kind):
+                item.add_marker(pytest.mark.xdist_group(kind))
