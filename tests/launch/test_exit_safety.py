@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole launcher runs, several seconds each
+
 HERE = Path(__file__).parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 RUN = [sys.executable, "-m", "lockstep.cli", "run", "--nproc-per-node", "2"]

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from launchkit import TRAIN, Launcher, wait_all, wait_for
 
+pytestmark = pytest.mark.slow  # whole launcher runs, several seconds each
+
 REPORT_S = 10.0
 
 

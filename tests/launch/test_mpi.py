@@ -19,7 +19,7 @@ import pytest
 import torch
 from launchkit import TRAIN, final_params
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def mpirun_argv(nproc: int, script: list[str]) -> list[str]:

@@ -21,7 +21,7 @@ from launchkit import TRAIN, final_params
 from slurmkit import SlurmUnavailable, single_node_cluster
 
 # Generous bounds: each job imports torch in every process, on a machine that may be loaded.
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = "4"
 SBATCH_SCRIPT = """\
 #!/bin/bash

@@ -21,7 +21,7 @@ from launchkit import MASTER_PORT, TRAIN, Launcher, final_params, node_args, wai
 
 from lockstep.testing.netns import Host, NetnsUnavailable, lan
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 STEPS = 4  # as the session's `lockstep_run_reference`
 
 # Runs in the stranger's namespace; argv: addr port out. Prints a JSON summary at the end.
