@@ -35,7 +35,6 @@ from lockstep.errors import LockstepError
 from lockstep.launch import group, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
-from lockstep.launch.exitwatch import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
@@ -45,7 +44,7 @@ from lockstep.launch.secret import Signer, load_secret
 from lockstep.launch.stall import StallWatch
 from lockstep.launch.store import BoundedStore
 from lockstep.launch.watchdog import Watchdog
-from lockstep.runtime import progress
+from lockstep.launch.watches import exit_watch, stall_watch
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
@@ -99,22 +98,6 @@ def _set_worker_env(cfg: RunConfig, route: Route) -> str:
     elif unset:
         parts.append("unknown: set them")
     return "; ".join(parts)
-
-
-def _stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
-    """The workers' progress watch; its files' folder is exported to the workers."""
-    if not cfg.stall_timeout_s:
-        return None
-    directory.mkdir()
-    os.environ[progress.DIR_VARIABLE] = str(directory)
-    return StallWatch(directory, cfg.stall_timeout_s, cfg.nnodes)
-
-
-def _exit_watch(cfg: RunConfig, directory: Path) -> ExitWatch:
-    """The bound on a worker's exit after its script ended; its folder is exported too."""
-    directory.mkdir(exist_ok=True)
-    os.environ[EXIT_DIR_VARIABLE] = str(directory)
-    return ExitWatch(directory, cfg.exit_grace_s)
 
 
 def _silence_s(cfg: RunConfig) -> float:
@@ -205,8 +188,8 @@ def _run_agent(cfg: RunConfig, prep: Prepared, directory: Path) -> int:
         rendezvous = LockstepRendezvous(
             client, prep.signer, prep.me, cfg.nnodes, cfg.run_id, cfg.rdzv_timeout_s
         )
-        stalls = _stall_watch(cfg, directory / "progress")
-        exits = _exit_watch(cfg, directory / "progress")  # stacks land beside progress
+        stalls = stall_watch(cfg, directory / "progress")
+        exits = exit_watch(cfg, directory / "progress")  # stacks land beside progress
         agent = _agent(cfg, rendezvous, watchdog, directory, stalls, exits)
     except (RendezvousError, dist.DistError, OSError) as error:
         watchdog.stop()
