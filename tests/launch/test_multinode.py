@@ -21,7 +21,7 @@ from launchkit import TRAIN, Launcher, final_params, live_workers, two_nodes, wa
 
 from lockstep.testing.netns import Host, two_hosts
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]  # own waits: 240 s
 STEPS = 6
 PARAM_BYTES = 4 * (6 * 16 + 16 + 16 + 1)  # train_tiny.py's model, float32
 
