@@ -21,11 +21,9 @@ from pathlib import Path
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerState
 
 from lockstep.env import read_variable
+from lockstep.launch.stall import STACK_LINES, request_stack
 
 DIR_VARIABLE = "LOCKSTEP_EXIT_DIR"
-DUMP_SIGNAL = signal.SIGUSR2  # faulthandler, armed by the bootstrap, writes the stack
-DUMP_WAIT_S = 3.0
-STACK_LINES = 40
 
 log = logging.getLogger("lockstep.run")
 
@@ -107,25 +105,13 @@ class ExitWatch:
 
 def dump_stack(pid: int, path: Path) -> list[str]:
     """`pid`'s Python stack, as faulthandler writes it to `path` on DUMP_SIGNAL."""
-    try:
-        os.kill(pid, DUMP_SIGNAL)
-    except ProcessLookupError:
+    text = request_stack(pid, path)
+    if text is None:
         return ["(no stack: the worker has exited)"]
-    deadline, size = time.monotonic() + DUMP_WAIT_S, -1
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = path.stat().st_size if path.exists() else 0
-        if now and now == size:
-            break
-        size = now
-    lines = [line for line in _read(path).splitlines() if line.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return ["(no stack: the worker wrote none)"]
     return lines[:STACK_LINES] + (["..."] if len(lines) > STACK_LINES else [])
-
-
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _ended_at(directory: Path, local_rank: int) -> float | None:

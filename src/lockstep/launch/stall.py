@@ -36,6 +36,26 @@ def stack_path(directory: str | Path, local_rank: int) -> Path:
     return Path(directory) / f"{local_rank}.stack"
 
 
+def request_stack(pid: int, path: Path) -> str | None:
+    """Ask `pid` for its Python stack (DUMP_SIGNAL; faulthandler writes it to `path`).
+
+    Returns what it wrote once the file stops growing, bounded by DUMP_WAIT_S ("" if
+    nothing), or None when the process no longer exists.
+    """
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+    except ProcessLookupError:
+        return None
+    deadline, size = time.monotonic() + DUMP_WAIT_S, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = path.stat().st_size if path.exists() else 0
+        if now and now == size:
+            break
+        size = now
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 @dataclass(frozen=True)
 class Stall:
     """What the watch found: failures (stuck ranks first) and the lines the launcher logs."""
@@ -125,18 +145,10 @@ class StallWatch:
         path = stack_path(self.directory, worker.local_rank)
         if not worker.id:
             return ["(no stack: the worker's pid is unknown)"]
-        try:
-            os.kill(worker.id, DUMP_SIGNAL)
-        except ProcessLookupError:
+        text = request_stack(worker.id, path)
+        if text is None:
             return ["(no stack: the worker has exited)"]
-        deadline, size = time.monotonic() + DUMP_WAIT_S, -1
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            now = path.stat().st_size if path.exists() else 0
-            if now and now == size:
-                break
-            size = now
-        lines = _current_thread_first(path.read_text(errors="replace"))
+        lines = _current_thread_first(text)
         if not lines:
             return ["(no stack: the worker wrote none; was it started by lockstep's bootstrap?)"]
         head = ["Python stack of every thread when the stall was detected (faulthandler):"]
