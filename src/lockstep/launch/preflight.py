@@ -22,7 +22,7 @@ from lockstep.launch.store import BoundedStore, StoreUnreachable
 
 log = logging.getLogger("lockstep.run")
 PROBE_TIMEOUT_S = 2.0
-STORE_PROBE_S = 5.0  # a store answers at once; a foreign program never does
+STORE_PROBE_S = 3.0  # a store answers at once (a few ms over a slow link); a foreign program never
 _CHECK = (
     "Check that node 0 runs `lockstep run` with the same --master-port, that {addr} is node "
     "0's address on a network this node reaches (`ip route get {ip}`), and that no firewall "
