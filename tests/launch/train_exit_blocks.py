@@ -3,8 +3,10 @@
     lockstep run --exit-grace 2 --nproc-per-node 2 tests/launch/train_exit_blocks.py --block thread
 
 `--block thread` leaves a thread that is not a daemon and never ends; `--block atexit`
-registers an exit handler that never returns. Both run after the script's last line,
-so its result (exit code 0, or 1 with `--fail-rank R`) is known before the block.
+registers an exit handler that never returns; `--late-rank R` ends rank R's script
+1.5 s after the others, so it is still inside its grace when the watch ends them.
+Both blocks run after the script's last line, so its result (exit code 0, or 1 with
+`--fail-rank R`) is known before the block.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block", choices=["thread", "atexit"], required=True)
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--late-rank", type=int, default=-1, help="ends its script 1.5 s late")
     args = parser.parse_args()
     ctx = lockstep.init()
     model = lockstep.DistributedDataParallel(nn.Linear(4, 1))
@@ -40,6 +43,8 @@ def main() -> None:
     if ctx.rank == args.fail_rank:
         raise RuntimeError(f"rank {ctx.rank} failed on purpose")
     lockstep.shutdown()
+    if ctx.rank == args.late_rank:
+        time.sleep(1.5)  # still inside its grace when the watch ends the other rank
 
 
 if __name__ == "__main__":

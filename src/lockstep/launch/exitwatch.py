@@ -75,13 +75,22 @@ class ExitWatch:
                 self._end(worker, late)
 
     def excuse(self, result: RunResult, workers: list[Worker]) -> RunResult:
-        """The run's result with the workers this watch ended counted as the success they were."""
+        """The run's result with workers whose script had succeeded counted as successes.
+
+        Once the watch ends one late worker, torch's agent stops the others; those whose
+        script had ended too, still inside their grace, succeeded as much as it did.
+        """
         failed = set(result.failures)
-        if result.state != WorkerState.FAILED or not failed or not failed <= self.ended:
+        finished = self.ended | {
+            w.global_rank for w in workers if _ended_at(self.directory, w.local_rank) is not None
+        }  # also those stopped by torch's agent once the watch ended a peer, within their grace
+        if result.state != WorkerState.FAILED or not failed or not failed <= finished:
             return result
         log.warning(
-            "rank(s) %s ended by the exit watch after their script succeeded: the run succeeded",
+            "rank(s) %s ended after their script succeeded (the exit watch ended %s): the run "
+            "succeeded",
             ", ".join(map(str, sorted(failed))),
+            ", ".join(map(str, sorted(self.ended))) or "none",
         )
         values = {w.global_rank: result.return_values.get(w.global_rank) for w in workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
