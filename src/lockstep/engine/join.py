@@ -24,6 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from lockstep.context import DistContext
 from lockstep.engine.reducer import Reducer
 from lockstep.runtime.bucket import Bucket
+from lockstep.runtime.control_device import control_device
 from lockstep.runtime.replicate import broadcast_tensors
 
 
@@ -78,7 +79,8 @@ class JoinableDDP(Joinable):
 
 def common_rank(ddp: JoinTarget, candidate: bool) -> int:
     """The highest group rank among the candidates (torch's rule for the model's owner)."""
-    mine = torch.tensor([ddp.ctx.rank if candidate else -1], dtype=torch.int64)
+    device = control_device(ddp.process_group)
+    mine = torch.tensor([ddp.ctx.rank if candidate else -1], dtype=torch.int64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
     return int(mine.item())
 
@@ -95,7 +97,8 @@ def before_forward(ddp: JoinTarget) -> None:
 
 def announce_sync(ddp: JoinTarget) -> None:
     """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
-    flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0])
+    device = control_device(ddp.process_group)
+    flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0], device=device)
     ddp.join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
 
 
@@ -111,7 +114,7 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.rebuild_if_needed()
         if ddp.will_sync_module_buffers():
             ddp.sync_buffers(src_rank=common_rank(ddp, candidate=False))
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=control_device(ddp.process_group))
         dist.all_reduce(flag, group=ddp.process_group)
         will_sync = bool(flag.item())
         ddp.require_forward_param_sync = will_sync
@@ -124,7 +127,8 @@ class DDPJoinHook(JoinHook):
         tensors = [p for _, p in ddp.named_state(buffers=ddp.forward_sync_buffers)]
         broadcast_tensors(tensors, src=ddp.ctx.global_rank(src), process_group=ddp.process_group)
         # Step counts differ after uneven inputs; agree on one so later steps pair.
-        steps = torch.tensor([ddp.reducer.driver.steps], dtype=torch.int64)
+        device = control_device(ddp.process_group)
+        steps = torch.tensor([ddp.reducer.driver.steps], dtype=torch.int64, device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
         ddp.reducer.driver.steps = int(steps.item())
         ddp.reducer.average_over(ddp.ctx.world_size)
@@ -143,5 +147,8 @@ def shadow_backward(ddp: JoinTarget) -> None:
         handle.wait()
     driver.fingerprint.check()
     if reducer.votes_unused():
-        dist.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), group=reducer.group)
+        votes = torch.zeros(
+            len(reducer.params), dtype=torch.int32, device=control_device(reducer.group)
+        )
+        dist.all_reduce(votes, group=reducer.group)
     ddp.nonfinite.end_step()  # the others' check of non-finite gradients (runtime/finite.py)

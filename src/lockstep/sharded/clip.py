@@ -13,6 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from lockstep.runtime.control_device import control_device
+
 
 def clip_grad_norm_(
     shards: list[torch.Tensor],
@@ -33,12 +35,15 @@ def clip_grad_norm_(
     """
     grads = [p.grad for p in shards if p.grad is not None]
     infinite = math.isinf(norm_type)
-    local = torch.zeros((), dtype=torch.float32)
+    wire = control_device(process_group)  # NCCL reads CUDA tensors only, gloo CPU ones
+    local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else wire)
     for grad in grads:
         part = grad.detach().abs().float()
         local = torch.maximum(local, part.max()) if infinite else local + part.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    dist.all_reduce(local, op=op, group=process_group)
+    summed = local.to(wire)
+    dist.all_reduce(summed, op=op, group=process_group)
+    local = summed.to(local.device)
     total = local if infinite else local.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
