@@ -18,13 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
-from engine_models import SCENARIOS, _step, batches, build  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+import torch
+from engine_models import SCENARIOS, _step, batches, build
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-import lockstep  # noqa: E402
-
-from lockstep.testing import run_ranks  # noqa: E402
+import lockstep
+from lockstep.testing import run_ranks
 
 VARIANTS = {
     "native": {},

@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.elastic.agent.server.api import Worker
 
 import lockstep
+from lockstep.launch.stall import StallWatch
 from lockstep.runtime import progress, waits
 from lockstep.runtime.progress import Phase, Progress
-from lockstep.launch.stall import StallWatch
 from lockstep.testing import run_ranks
 
 
