@@ -73,6 +73,11 @@ def _memory_table(plan: Plan) -> list[str]:
         cells = "".join(f"{format_bytes(x):>11}" for x in (b.weights, b.grads, b.optimizer))
         fits = "yes" if row.fits else "no"
         lines.append(f"  {row.strategy.label:<15}{cells}{format_bytes(b.total):>11}   {fits}")
+    if plan.gathered_bytes:
+        lines.append(
+            f"  ZeRO-3 between forward and backward: + {format_bytes(plan.gathered_bytes)} of "
+            "units kept gathered (root, reshard_after_forward=False)"
+        )
     return [*lines, *_sharding_advice(plan)]
 
 
@@ -168,6 +173,13 @@ def _allreduce_json(plan: Plan) -> list[dict[str, Any]]:
     ]
 
 
+def _policy_json(cfg: Any) -> dict[str, Any] | None:
+    if cfg.param_dtype is None and cfg.reduce_dtype is None:
+        return None
+    label = lambda d: d.label if d is not None else None  # noqa: E731
+    return {"param": label(cfg.param_dtype), "reduce": label(cfg.reduce_dtype)}
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     """The plan as a JSON-ready dict; sizes in bytes, times in seconds, rates in bytes/s."""
     cfg, topo = plan.config, plan.config.topology
@@ -190,6 +202,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "optimizer": cfg.optimizer_bytes_per_param,
         },
         "dtypes": {"weights": cfg.weights_dtype.label, "grads": cfg.grads_dtype.label},
+        "policy": _policy_json(cfg),
+        "gathered_bytes": plan.gathered_bytes,
         "optimizer": _optimizer_label(plan),
         "memory": _memory_json(plan),
         "payload_bytes": plan.payload_bytes,

@@ -172,7 +172,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             self.process_group,
             ctx.rank,
             ctx.world_size,
-            keep_full_grad=self.stage == 1 and not any(f.dtypes.casts for f in trainable),
+            keep_full_grad=self.stage == 1 and not any(f.dtypes.differ for f in trainable),
             after_grad=(lambda flat: flat.free()) if self.scheduler else (lambda flat: None),
             at_backward_end=self._at_backward_end,
             check_data_passes=check_data_passes,

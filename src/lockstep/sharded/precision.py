@@ -88,7 +88,13 @@ class FlatDtypes:
 
     @property
     def casts(self) -> bool:
+        """The full buffer is a `param` copy of the shards, not the shards' own dtype."""
         return self.param != self.orig
+
+    @property
+    def differ(self) -> bool:
+        """Some dtype differs from the shard's: gradients are cast on their way."""
+        return self.casts or self.reduce != self.orig
 
 
 def flat_dtypes(policy: MixedPrecisionPolicy | None, orig: torch.dtype) -> FlatDtypes:
@@ -138,7 +144,7 @@ def to_shard_dtype(shard_grad: torch.Tensor, flat: Any) -> torch.Tensor:
     Without a policy, the tensor itself. Under one, always a copy: stage 1's shard
     gradient is a slice of the whole reduced buffer, which need not outlive the step.
     """
-    if not flat.dtypes.casts:
+    if not flat.dtypes.differ:
         return shard_grad
     return shard_grad.to(flat.dtypes.orig, copy=True)
 
