@@ -42,7 +42,7 @@ def test_torch_policy_is_taken_and_other_objects_refused():
     assert ours == lockstep.MixedPrecisionPolicy(BF16, FP32, FP32, True)
     with pytest.raises(TypeError, match="mp_policy expects"):
         as_policy({"param_dtype": BF16})
-    with pytest.raises(ValueError, match="floating torch.dtype"):
+    with pytest.raises(ValueError, match=r"floating torch\.dtype"):
         lockstep.MixedPrecisionPolicy(param_dtype=torch.int8)
 
 
