@@ -21,7 +21,7 @@ from sharded_cases import Block, build, global_batches, loss_of
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
 import lockstep
-from lockstep.errors import RankMismatchError
+from lockstep.errors import NonFiniteGradientError, RankMismatchError
 from lockstep.testing import run_ranks
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -142,3 +142,35 @@ def test_the_fingerprint_names_a_lone_no_sync_under_a_policy():
     for error in errors:
         assert error is not None, "the fingerprint must catch the lone no_sync"
         assert "rank 0: step 1, data pass 0, 2 micro-batch(es)" in error, error
+
+
+def _guarantees(ctx, reduce_dtype: torch.dtype) -> dict:
+    """One step (its stats), then a NaN loss on rank 1 (the guard must stop every rank)."""
+    model = _wrap("stage3", reduce_dtype, None)
+    batches = [[t.chunk(2)[ctx.rank] for t in b] for b in global_batches("gpt", 2)]
+    loss_of("gpt", model, batches[0]).backward()
+    stats = model.step_driver.last_stats
+    out = {"payload": stats.payload_bytes, "buckets": len(stats.buckets), "error": None}
+    loss = loss_of("gpt", model, batches[1])
+    try:
+        (loss * float("nan") if ctx.rank == 1 else loss).backward()
+    except NonFiniteGradientError as error:
+        out["error"] = str(error)
+    return out
+
+
+def _both_reduce_dtypes(ctx) -> dict:
+    return {str(d): _guarantees(ctx, d) for d in (FP32, BF16)}
+
+
+def test_step_stats_and_the_nonfinite_guard_hold_under_a_policy():
+    numel = sum(p.numel() for p in build("gpt").parameters())
+    for rank, results in enumerate(run_ranks(_both_reduce_dtypes, 2, deadline_s=60)):
+        fp32, bf16 = results[str(FP32)], results[str(BF16)]
+        assert fp32["buckets"] == bf16["buckets"] == 3, "one bucket per flat: root, 2 blocks"
+        # the payload is the gradient in the reduce dtype (padding: a few elements per flat)
+        assert 0 <= fp32["payload"] - numel * 4 < 64 and fp32["payload"] == 2 * bf16["payload"]
+        for result in (fp32, bf16):
+            error = result["error"]
+            assert error is not None and "rank(s) 1's own gradients" in error, (rank, error)
+            assert f"raised on rank {rank}" in error, error

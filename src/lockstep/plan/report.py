@@ -48,6 +48,17 @@ def _header(plan: Plan) -> list[str]:
         f"bytes      per parameter: weights {w.nbytes} ({w.label}), "
         f"gradients {g.nbytes} ({g.label}), "
         f"optimizer {cfg.optimizer_bytes_per_param:g} ({_optimizer_label(plan)})",
+        *_policy_line(cfg),
+    ]
+
+
+def _policy_line(cfg: Any) -> list[str]:
+    if cfg.param_dtype is None:
+        return []
+    reduce = cfg.reduce_dtype or cfg.param_dtype
+    return [
+        f"policy     compute {cfg.param_dtype.label}, reduce {reduce.label} (FSDP2's "
+        f"MixedPrecisionPolicy); the {cfg.weights_dtype.label} shards are the master weights"
     ]
 
 
