@@ -7,7 +7,8 @@ the root. The arithmetic is the same (each shard cast to bf16 and gathered, bf16
 compute, the gradient cast to the reduce dtype, a sum of two addends and a
 halving, which are exact and order-free at world size 2, cast back to fp32 and
 added to the fp32 shard gradient, AdamW on fp32 shards), so losses and final
-fp32 parameters must be bitwise equal, for stages 1, 2 and 3. Gradient
+fp32 parameters must be bitwise equal, for stages 1, 2 and 3; also when an
+fp32 buffer makes a block's input fp32 (each unit casts its inputs). Gradient
 accumulation under no_sync (FSDP2: `set_requires_gradient_sync(False)`) must
 accumulate in the reduce dtype as FSDP2 does, and the step fingerprint must
 still name a rank that accumulates alone.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharded_cases import Block, build, global_batches, loss_of
+from sharded_cases import Block, TinyGPT, build, global_batches, loss_of
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
 import lockstep
@@ -28,8 +29,23 @@ BF16, FP32 = torch.bfloat16, torch.float32
 ENGINES = ("fsdp2", "stage1", "stage2", "stage3")
 
 
-def _wrap(engine: str, reduce_dtype: torch.dtype, output: torch.dtype | None):
-    model = build("gpt")
+class ShiftedGPT(TinyGPT):
+    """TinyGPT plus an fp32 buffer on the embeddings: the first block's input is fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.randn(16, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1])) + self.shift
+        for block in self.blocks:
+            x = block(x)  # cast to bf16 on the way in (each unit casts its inputs)
+        return self.head(self.ln_f(x))
+
+
+def _wrap(engine: str, reduce_dtype: torch.dtype, output: torch.dtype | None, shifted=False):
+    torch.manual_seed(0)
+    model = ShiftedGPT() if shifted else build("gpt")
     policy = TorchPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype, output_dtype=output)
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -57,12 +73,12 @@ def _sync_toggle(model, engine: str, sync: bool) -> None:
         model.require_backward_grad_sync = sync
 
 
-def _train(ctx, engine: str, reduce_dtype: torch.dtype, micro: int = 1) -> dict:
+def _train(ctx, engine: str, reduce_dtype: torch.dtype, micro: int = 1, shifted=False) -> dict:
     output = FP32 if micro == 1 else None
-    model = _wrap(engine, reduce_dtype, output)
+    model = _wrap(engine, reduce_dtype, output, shifted)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, dtypes = [], set()
-    for batch in global_batches("gpt", 3):
+    for batch in global_batches("gpt", 2):
         mine = [t.chunk(ctx.world_size)[ctx.rank] for t in batch]
         parts = list(zip(*[t.chunk(micro) for t in mine], strict=True))
         for i, part in enumerate(parts):
@@ -77,7 +93,7 @@ def _train(ctx, engine: str, reduce_dtype: torch.dtype, micro: int = 1) -> dict:
         losses.append(loss.detach().float())
     state = model.state_dict()
     if engine == "fsdp2":
-        state = {k: v.full_tensor() for k, v in state.items()}
+        state = {k: getattr(v, "full_tensor", v.detach)() for k, v in state.items()}
     return {"losses": torch.stack(losses), "state": state, "dtypes": sorted(map(str, dtypes))}
 
 
@@ -88,6 +104,8 @@ def _all(ctx) -> dict:
             out[(engine, str(reduce_dtype))] = _train(ctx, engine, reduce_dtype)
     for engine in ("fsdp2", "stage2", "stage3"):
         out[(engine, "no_sync")] = _train(ctx, engine, FP32, micro=2)
+    for engine in ("fsdp2", "stage3"):
+        out[(engine, "shifted")] = _train(ctx, engine, FP32, shifted=True)
     return out
 
 
@@ -122,6 +140,12 @@ def test_no_sync_accumulates_in_the_reduce_dtype_as_fully_shard(world2, engine):
         ref, out = results[("fsdp2", "no_sync")], results[(engine, "no_sync")]
         _equal(ref, out, f"{engine} no_sync vs fully_shard on rank {rank}")
         assert "torch.bfloat16" in out["dtypes"], "without output_dtype the logits stay bf16"
+
+
+def test_each_unit_casts_its_inputs_as_fully_shard(world2):
+    for rank, results in enumerate(world2):
+        ref, out = results[("fsdp2", "shifted")], results[("stage3", "shifted")]
+        _equal(ref, out, f"an fp32 input to a bf16 block, on rank {rank}")
 
 
 def _uneven_no_sync(ctx) -> str | None:
