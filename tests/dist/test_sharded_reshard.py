@@ -6,7 +6,8 @@ again in backward) when it reshards, once when it is kept gathered; whatever
 is kept, training is bitwise the same, and torch's `fully_shard(block,
 reshard_after_forward=False)` agrees. Between forward and backward each rank
 holds its shards plus the kept units in `param_dtype`; after a step, weights,
-gradients and AdamW state under the bf16 policy: both against `lockstep plan`
+gradients and AdamW state under the bf16 policy (and, at stage 1, under a bf16
+reduce with fp32 compute): both against `lockstep plan`
 (`plan/measured.py`), within 5%.
 """
 
@@ -23,6 +24,7 @@ from lockstep.testing import run_ranks
 
 TOLERANCE = 0.05
 POLICY = lockstep.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+REDUCE_ONLY = lockstep.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)  # fp32 compute
 RULES = {"resharded": True, "kept": {Block: False}, "first": {"blocks.0": False}}
 
 
@@ -66,9 +68,9 @@ def _run(ctx, rule_name: str, policy, engine: str = "lockstep") -> dict:
     return out
 
 
-def _after_step(ctx, stage: int) -> tuple:
+def _after_step(ctx, stage: int, policy=POLICY) -> tuple:
     model = lockstep.ShardedDataParallel(
-        build("gpt"), stage=stage, wrap=[Block] if stage == 3 else None, mp_policy=POLICY
+        build("gpt"), stage=stage, wrap=[Block] if stage == 3 else None, mp_policy=policy
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for batch in global_batches("gpt", 2):
@@ -76,7 +78,8 @@ def _after_step(ctx, stage: int) -> tuple:
         loss_of("gpt", model, [t.chunk(ctx.world_size)[ctx.rank] for t in batch]).backward()
         opt.step()
     fulls = sum(f.full.untyped_storage().nbytes() for f in model.flats)
-    return measured_bytes(model, opt), planned_bytes(build("gpt"), ctx.world_size, stage, POLICY), fulls
+    planned = planned_bytes(build("gpt"), ctx.world_size, stage, policy)
+    return measured_bytes(model, opt), planned, fulls
 
 
 def _all(ctx) -> dict:
@@ -85,6 +88,7 @@ def _all(ctx) -> dict:
     out["fp32 kept"] = _run(ctx, "kept", None)
     out["fsdp2 kept"] = _run(ctx, "kept", None, "fsdp2")
     out["after"] = {stage: _after_step(ctx, stage) for stage in (1, 2, 3)}
+    out["after"]["1 reduce-only"] = _after_step(ctx, 1, REDUCE_ONLY)
     return out
 
 
@@ -113,7 +117,7 @@ def test_weights_between_forward_and_backward_match_the_plan(world2, name):
         assert abs(got - want) <= TOLERANCE * want, f"{name} rank {rank}: {got} B, plan {want} B"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "1 reduce-only"])
 def test_policy_state_bytes_after_a_step_match_the_plan(world2, stage):
     for rank, results in enumerate(world2):
         measured, predicted, fulls = results["after"][stage]
@@ -123,7 +127,7 @@ def test_policy_state_bytes_after_a_step_match_the_plan(world2, stage):
                 f"stage {stage} rank {rank} {part}: measured {got} B, plan {want} B"
             )
         numel = sum(p.numel() for p in build("gpt").parameters())
-        expected = 0 if stage == 3 else numel * 2  # the bf16 compute copy, kept by 1 and 2
+        expected = {3: 0, "1 reduce-only": numel * 4}.get(stage, numel * 2)  # the compute copy
         assert abs(fulls - expected) <= TOLERANCE * max(expected, 1) + 64, (stage, fulls)
 
 

@@ -81,12 +81,16 @@ def test_reshard_rule_refusals_say_why():
 
 def test_plan_under_a_policy_keeps_fp32_shards_and_a_bf16_compute_copy():
     full = StateBytes(weights=400.0, grads=400.0, optimizer=800.0)
-    args = (100, 100, DType.FP32, DType.BF16, 4)
+    args = (100, 100, DType.FP32, DType.BF16, DType.FP32, 4)
     zero2 = with_policy(full, Strategy.ZERO2, *args)
     assert (zero2.weights, zero2.grads, zero2.optimizer) == (100 + 200, 100, 800)
     zero3 = with_policy(full, Strategy.ZERO3, *args)
     assert (zero3.weights, zero3.grads) == (100, 100)
     assert with_policy(full, Strategy.DDP, *args) == full
+    # no cast, a bf16 reduce: ZeRO-1 keeps no whole reduced gradient, weights unchanged
+    zero1 = with_policy(full, Strategy.ZERO1, 100, 100, DType.FP32, None, DType.BF16, 4)
+    assert (zero1.weights, zero1.grads) == (400, 100)
+    assert with_policy(full, Strategy.ZERO1, 100, 100, DType.FP32, None, None, 4) == full
 
 
 def test_plan_cli_takes_the_policy_and_the_kept_units(capsys):

@@ -23,6 +23,7 @@ def with_policy(
     trainable_params: int,
     weights: DType,
     param: DType | None,
+    reduce: DType | None,
     world_size: int,
 ) -> StateBytes:
     """`share` (the plan without a policy) corrected for a policy computing in `param`.
@@ -33,15 +34,21 @@ def with_policy(
         total_params: every parameter (the shards cover them all).
         trainable_params: those with gradients.
         weights: the model's (the shards') dtype.
-        param: the compute dtype; None or `weights`: no cast, `share` unchanged.
+        param: the compute dtype; None or `weights`: no cast.
+        reduce: the reduce dtype; None: `param`'s. With neither cast, `share` unchanged.
         world_size: GPUs the shards are spread over.
     """
-    if param is None or param == weights or strategy is Strategy.DDP:
+    casts = param is not None and param != weights
+    reduce = reduce or param or weights
+    if strategy is Strategy.DDP or not (casts or reduce != weights):
         return share
-    shards = total_params * weights.nbytes / world_size
-    compute_copy = total_params * param.nbytes if strategy is not Strategy.ZERO3 else 0
+    weight_bytes = share.weights
+    if casts:  # the shards, and ZeRO-1/2's whole compute copy beside them
+        assert param is not None
+        weight_bytes = total_params * weights.nbytes / world_size
+        weight_bytes += total_params * param.nbytes if strategy is not Strategy.ZERO3 else 0
     return StateBytes(
-        weights=shards + compute_copy,
+        weights=weight_bytes,
         grads=trainable_params * weights.nbytes / world_size,
         optimizer=share.optimizer,
     )
