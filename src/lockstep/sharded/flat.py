@@ -16,7 +16,7 @@ from torch import nn
 
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.sharded.layout import flat_layout
-from lockstep.sharded.precision import FlatDtypes, flat_dtypes
+from lockstep.sharded.precision import FlatDtypes, flat_dtypes, gather_cast
 from lockstep.sharded.units import ParamSlots
 from lockstep.torch_compat import all_gather_single
 
@@ -54,7 +54,6 @@ class FlatParam:
         first = params[0].param
         self.dtypes = dtypes or flat_dtypes(None, first.dtype)
         self.accumulated: torch.Tensor | None = None  # no_sync's gradient in the reduce dtype
-        self._cast_shard: torch.Tensor | None = None
         full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             torch.cat([s.param.detach().reshape(-1) for s in params], out=full[: self.layout.numel])
@@ -102,15 +101,15 @@ class FlatParam:
         if storage.nbytes() == 0:
             storage.resize_(self.nbytes)
         self.gathered = True
-        shard = self.shard.data
         if self.dtypes.casts:  # FSDP2: the all-gather runs in param_dtype
-            shard = self._cast_shard = shard.to(self.dtypes.param)  # alive until it is sent
-        work = all_gather_single(self.full.data, shard, group=self.process_group, async_op=True)
+            return gather_cast(self.full.data, self.shard.data, self.process_group)
+        work = all_gather_single(
+            self.full.data, self.shard.data, group=self.process_group, async_op=True
+        )
         return WorkHandle(work)
 
     def free(self) -> None:
         """Release `full`'s memory (stage 3); its metadata and views stay, without data."""
-        self._cast_shard = None
         if not self.keep_full and self.gathered:
             self.full.data.untyped_storage().resize_(0)
             self.gathered = False

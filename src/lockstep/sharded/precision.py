@@ -13,10 +13,17 @@ and cast back to the shard's dtype into `shard.grad`. torch's own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
+
+from lockstep.runtime.handles import WorkHandle
+from lockstep.torch_compat import all_gather_single
+
+if TYPE_CHECKING:
+    from lockstep.sharded.flat import FlatParam
 
 
 @dataclass(frozen=True)
@@ -105,8 +112,26 @@ def flat_dtypes(policy: MixedPrecisionPolicy | None, orig: torch.dtype) -> FlatD
     return FlatDtypes(orig, param, policy.reduce_dtype or param)
 
 
+# ------------------------------------------------------------------ gathers
+class _CastGather(WorkHandle):
+    """An all-gather whose input is a cast copy of the shard, kept as long as the handle."""
+
+    def __init__(self, work: dist.Work, sent: torch.Tensor) -> None:
+        super().__init__(work)
+        self.sent = sent
+
+
+def gather_cast(
+    full: torch.Tensor, shard: torch.Tensor, process_group: dist.ProcessGroup | None
+) -> WorkHandle:
+    """Start the all-gather of `shard` cast to `full`'s dtype (FSDP2 gathers in param_dtype)."""
+    sent = shard.to(full.dtype)
+    work = all_gather_single(full, sent, group=process_group, async_op=True)
+    return _CastGather(work, sent)
+
+
 # ------------------------------------------------------------------ gradients
-def reduce_input(flat: Any) -> torch.Tensor:
+def reduce_input(flat: FlatParam) -> torch.Tensor:
     """The flat's gradient of this backward in the reduce dtype, with what no_sync kept.
 
     Returns `full.grad` itself when no cast is needed (the engine's old path);
@@ -122,7 +147,7 @@ def reduce_input(flat: Any) -> torch.Tensor:
     return kept.add_(grad)
 
 
-def keep_local_grad(flat: Any) -> None:
+def keep_local_grad(flat: FlatParam) -> None:
     """A backward under no_sync: move `full.grad` into the reduce-dtype accumulator.
 
     FSDP2 accumulates a skipped reduce's gradients in `reduce_dtype`; when that is
@@ -138,7 +163,7 @@ def keep_local_grad(flat: Any) -> None:
         flat.accumulated.add_(grad)
 
 
-def to_shard_dtype(shard_grad: torch.Tensor, flat: Any) -> torch.Tensor:
+def to_shard_dtype(shard_grad: torch.Tensor, flat: FlatParam) -> torch.Tensor:
     """The reduced shard gradient in the shard's dtype, as FSDP2 casts it before `.grad`.
 
     Without a policy, the tensor itself. Under one, always a copy: stage 1's shard
@@ -185,7 +210,9 @@ def unit_input_hook(policy: MixedPrecisionPolicy | None) -> Any:
     return pre_forward
 
 
-def policy_problem(module: Any, stage: int, policy: MixedPrecisionPolicy | None) -> str | None:
+def policy_problem(
+    module: torch.nn.Module, stage: int, policy: MixedPrecisionPolicy | None
+) -> str | None:
     """What keeps `policy` from applying to `module` at `stage`, or None.
 
     Stages 1 and 2 flatten trainable parameters only: a frozen floating parameter
