@@ -13,7 +13,7 @@ and cast back to the shard's dtype into `shard.grad`. torch's own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,6 @@ from torch.utils._pytree import tree_map
 
 from lockstep.runtime.handles import WorkHandle
 from lockstep.torch_compat import all_gather_single
-
-if TYPE_CHECKING:
-    from lockstep.sharded.flat import FlatParam
 
 
 @dataclass(frozen=True)
@@ -112,6 +109,14 @@ def flat_dtypes(policy: MixedPrecisionPolicy | None, orig: torch.dtype) -> FlatD
     return FlatDtypes(orig, param, policy.reduce_dtype or param)
 
 
+class FlatGrads(Protocol):
+    """What the gradient casts read of a `FlatParam` (`flat.py`, which imports this module)."""
+
+    full: torch.Tensor
+    accumulated: torch.Tensor | None
+    dtypes: FlatDtypes
+
+
 # ------------------------------------------------------------------ gathers
 class _CastGather(WorkHandle):
     """An all-gather whose input is a cast copy of the shard, kept as long as the handle."""
@@ -131,7 +136,7 @@ def gather_cast(
 
 
 # ------------------------------------------------------------------ gradients
-def reduce_input(flat: FlatParam) -> torch.Tensor:
+def reduce_input(flat: FlatGrads) -> torch.Tensor:
     """The flat's gradient of this backward in the reduce dtype, with what no_sync kept.
 
     Returns `full.grad` itself when no cast is needed (the engine's old path);
@@ -147,7 +152,7 @@ def reduce_input(flat: FlatParam) -> torch.Tensor:
     return kept.add_(grad)
 
 
-def keep_local_grad(flat: FlatParam) -> None:
+def keep_local_grad(flat: FlatGrads) -> None:
     """A backward under no_sync: move `full.grad` into the reduce-dtype accumulator.
 
     FSDP2 accumulates a skipped reduce's gradients in `reduce_dtype`; when that is
@@ -163,7 +168,7 @@ def keep_local_grad(flat: FlatParam) -> None:
         flat.accumulated.add_(grad)
 
 
-def to_shard_dtype(shard_grad: torch.Tensor, flat: FlatParam) -> torch.Tensor:
+def to_shard_dtype(shard_grad: torch.Tensor, flat: FlatGrads) -> torch.Tensor:
     """The reduced shard gradient in the shard's dtype, as FSDP2 casts it before `.grad`.
 
     Without a policy, the tensor itself. Under one, always a copy: stage 1's shard
