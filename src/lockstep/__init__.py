@@ -8,7 +8,7 @@ from lockstep.engine.naive import NaiveDataParallel
 from lockstep.env import read_variable as _read_variable
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
-from lockstep.sharded import FSDP, ShardedDataParallel
+from lockstep.sharded import FSDP, MixedPrecisionPolicy, ShardedDataParallel
 from lockstep.trace_hook import attach_env_tracer  # noqa: F401  (LOCKSTEP_TRACE)
 
 if _read_variable("LOCKSTEP_ENGINE"):  # torch's DDP builds lockstep's engine: docs/frameworks.md
@@ -23,6 +23,7 @@ __all__ = [
     "DistContext",
     "DistributedDataParallel",
     "LockstepError",
+    "MixedPrecisionPolicy",
     "Monitor",
     "NaiveDataParallel",
     "ShardedDataParallel",

@@ -46,6 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--gpu-memory", default="80GB", help="memory of one GPU, with a unit (default 80GB)")
     add("--weights-dtype", default="bf16", help=f"{DTYPES} (default bf16)")
     add("--grads-dtype", default=None, help=f"{DTYPES} (default: the weights' dtype)")
+    add("--param-dtype", default=None, help="FSDP2 policy: compute dtype; shards keep weights'")
+    add("--reduce-dtype", default=None, help="FSDP2 policy: gradient reduce dtype")
+    add("--keep-gathered", default=None, help="ZeRO-3: parameters gathered from forward to "
+        "backward (root + reshard_after_forward=False units): a count or a share")  # fmt: skip
     add("--optimizer", default="adam", help=_optimizer_help())
     add("--optimizer-dtype", default="fp32", help=f"dtype of optimizer state: {DTYPES}")
     add("--optimizer-bytes", type=float, default=None, help="override: bytes per parameter")
@@ -106,6 +110,18 @@ def _model(ns: argparse.Namespace) -> ModelShape:
         raise ValueError(str(error).replace("--model", "--profile", 1)) from None
 
 
+def _optional_dtype(text: str | None, arg: str) -> DType | None:
+    return parse_dtype(text, arg) if text else None
+
+
+def _kept(text: str | None, model: ModelShape) -> int:
+    if text is None:
+        return 0
+    if text.strip().endswith("%"):
+        return round(model.total_params * _share(text.strip()) / 100)
+    return parse_count(text, "--keep-gathered")
+
+
 def plan_config(ns: argparse.Namespace) -> PlanConfig:
     """Validate the flags into a `PlanConfig`; raises ValueError naming the flag."""
     if os.getcwd() not in sys.path:  # pkg.module:factory resolves like `python -m`
@@ -122,7 +138,10 @@ def plan_config(ns: argparse.Namespace) -> PlanConfig:
         nodes=ns.nodes,
         gpu_memory_bytes=parse_bytes(ns.gpu_memory, "--gpu-memory"),
         weights_dtype=weights,
-        grads_dtype=parse_dtype(ns.grads_dtype, "--grads-dtype") if ns.grads_dtype else weights,
+        grads_dtype=parse_dtype(ns.grads_dtype, "--grads-dtype") if ns.grads_dtype else None,
+        param_dtype=_optional_dtype(ns.param_dtype, "--param-dtype"),
+        reduce_dtype=_optional_dtype(ns.reduce_dtype, "--reduce-dtype"),
+        kept_params=_kept(ns.keep_gathered, model),
         optimizer=parse_optimizer(ns.optimizer, "--optimizer"),
         optimizer_dtype=parse_dtype(ns.optimizer_dtype, "--optimizer-dtype"),
         optimizer_bytes=ns.optimizer_bytes,

@@ -5,7 +5,9 @@ gradients and optimizer state on this rank (each storage once, so a gradient
 that is a view into a bucket, or a shard that is a view of the full buffer, is
 not counted twice; a freed stage-3 buffer counts zero). `planned_bytes` asks
 `lockstep plan`'s memory model (`plan/memory.py`) about the same model, dtype,
-optimizer and world size, so the two can be compared side by side.
+optimizer and world size, so the two can be compared side by side; with a
+mixed-precision policy (`mp_policy`) and, for stage 3, the parameters kept
+gathered between forward and backward (`planned_gathered`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lockstep.plan.shape import full_trainable
 from lockstep.plan.units import DType
 
 STRATEGY_OF_STAGE = {0: Strategy.DDP, 1: Strategy.ZERO1, 2: Strategy.ZERO2, 3: Strategy.ZERO3}
+DTYPE_OF = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -54,21 +57,41 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateB
     return StateBytes(weights=weights, grads=grads, optimizer=optim)
 
 
-def planned_bytes(module: nn.Module, world_size: int, stage: int) -> StateBytes:
+def _config(module: nn.Module, world_size: int, policy: Any, kept_params: int) -> PlanConfig:
+    shape = count_module(module)
+    param = getattr(policy, "param_dtype", None)
+    reduce = getattr(policy, "reduce_dtype", None)
+    return PlanConfig(
+        model=shape,
+        trainable=full_trainable(shape),
+        gpus=world_size,
+        weights_dtype=DType.FP32,
+        optimizer=Optimizer.ADAM,
+        param_dtype=DTYPE_OF[param] if param is not None else None,
+        reduce_dtype=DTYPE_OF[reduce] if reduce is not None else None,
+        kept_params=kept_params,
+    )
+
+
+def planned_bytes(
+    module: nn.Module, world_size: int, stage: int, mp_policy: Any = None
+) -> StateBytes:
     """`lockstep plan`'s per-GPU prediction for `module` in fp32 with Adam(W).
 
     Args:
         module: the plain (unwrapped) model.
         world_size: ranks.
         stage: 0 for DDP, else the ZeRO stage.
+        mp_policy: the sharded engine's mixed-precision policy (`--param-dtype`,
+            `--reduce-dtype`), or None.
     """
-    shape = count_module(module)
-    config = PlanConfig(
-        model=shape,
-        trainable=full_trainable(shape),
-        gpus=world_size,
-        weights_dtype=DType.FP32,
-        optimizer=Optimizer.ADAM,
-    )
-    rows = {row.strategy: row.bytes for row in make_plan(config).memory}
+    plan = make_plan(_config(module, world_size, mp_policy, 0))
+    rows = {row.strategy: row.bytes for row in plan.memory}
     return rows[STRATEGY_OF_STAGE[stage]]
+
+
+def planned_gathered(
+    module: nn.Module, world_size: int, kept_params: int, mp_policy: Any = None
+) -> int:
+    """The plan's ZeRO-3 bytes of `kept_params` parameters gathered from forward to backward."""
+    return make_plan(_config(module, world_size, mp_policy, kept_params)).gathered_bytes

@@ -25,6 +25,7 @@ from lockstep.plan.memory import (
     per_gpu_bytes,
     replicated_bytes,
 )
+from lockstep.plan.policy_memory import gathered_bytes, with_policy
 from lockstep.plan.shape import ModelShape, Trainable
 from lockstep.plan.units import DType
 
@@ -52,6 +53,11 @@ class PlanConfig:
         inter_links: links between nodes (multi-node only).
         measured: a measured all-reduce, from `lockstep bench allreduce --json`.
         bucket_cap_bytes: the DDP bucket cap.
+        param_dtype: FSDP2's mixed-precision policy: the compute dtype of the sharded
+            engine, whose shards keep `weights_dtype` (`policy_memory.py`); None: none.
+        reduce_dtype: the policy's gradient reduce dtype (the payload); None: param_dtype.
+        kept_params: ZeRO-3: parameters gathered from forward to backward (the root unit
+            and the units with reshard_after_forward=False).
     """
 
     model: ModelShape
@@ -70,10 +76,14 @@ class PlanConfig:
     inter_links: tuple[Link, ...] = ()
     measured: Link | None = None
     bucket_cap_bytes: int = BUCKET_BYTES
+    param_dtype: DType | None = None
+    reduce_dtype: DType | None = None
+    kept_params: int = 0
 
     def __post_init__(self) -> None:
-        if self.grads_dtype is None:
-            object.__setattr__(self, "grads_dtype", self.weights_dtype)
+        if self.grads_dtype is None:  # under a policy the payload is the reduce dtype
+            payload = self.reduce_dtype or self.param_dtype or self.weights_dtype
+            object.__setattr__(self, "grads_dtype", payload)
         for name in ("gpus", "nodes", "batch_size", "grad_accum", "gpu_memory_bytes"):
             value = getattr(self, name)
             if value < 1:
@@ -135,6 +145,7 @@ class Plan:
     buckets: list[int]
     sent_per_gpu_bytes: float
     comm: list[CommRow] = field(default_factory=list)
+    gathered_bytes: int = 0  # ZeRO-3, between forward and backward, on top of its row
 
     @property
     def effective_batch(self) -> int:
@@ -153,6 +164,11 @@ def memory_rows(cfg: PlanConfig) -> list[MemoryRow]:
     rows = []
     for strategy in Strategy:
         share = per_gpu_bytes(full, strategy, cfg.gpus)
+        total, trainable = cfg.model.total_params + cfg.trainable.added_params, cfg.trainable.count
+        share = with_policy(
+            share, strategy, total, trainable, cfg.weights_dtype, cfg.param_dtype,
+            cfg.reduce_dtype, cfg.gpus,
+        )  # fmt: skip
         rows.append(MemoryRow(strategy, share, share.total <= cfg.gpu_memory_bytes))
     return rows
 
@@ -199,4 +215,5 @@ def make_plan(cfg: PlanConfig) -> Plan:
         buckets=buckets,
         sent_per_gpu_bytes=ring_factor(cfg.gpus) * payload,
         comm=comm_rows(cfg, buckets),
+        gathered_bytes=gathered_bytes(cfg.kept_params, cfg.weights_dtype, cfg.param_dtype),
     )

@@ -48,6 +48,17 @@ def _header(plan: Plan) -> list[str]:
         f"bytes      per parameter: weights {w.nbytes} ({w.label}), "
         f"gradients {g.nbytes} ({g.label}), "
         f"optimizer {cfg.optimizer_bytes_per_param:g} ({_optimizer_label(plan)})",
+        *_policy_line(cfg),
+    ]
+
+
+def _policy_line(cfg: Any) -> list[str]:
+    if cfg.param_dtype is None:
+        return []
+    reduce = cfg.reduce_dtype or cfg.param_dtype
+    return [
+        f"policy     compute {cfg.param_dtype.label}, reduce {reduce.label} (FSDP2's "
+        f"MixedPrecisionPolicy); the {cfg.weights_dtype.label} shards are the master weights"
     ]
 
 
@@ -73,6 +84,11 @@ def _memory_table(plan: Plan) -> list[str]:
         cells = "".join(f"{format_bytes(x):>11}" for x in (b.weights, b.grads, b.optimizer))
         fits = "yes" if row.fits else "no"
         lines.append(f"  {row.strategy.label:<15}{cells}{format_bytes(b.total):>11}   {fits}")
+    if plan.gathered_bytes:
+        lines.append(
+            f"  ZeRO-3 between forward and backward: + {format_bytes(plan.gathered_bytes)} of "
+            "units kept gathered (root, reshard_after_forward=False)"
+        )
     return [*lines, *_sharding_advice(plan)]
 
 
@@ -168,6 +184,13 @@ def _allreduce_json(plan: Plan) -> list[dict[str, Any]]:
     ]
 
 
+def _policy_json(cfg: Any) -> dict[str, Any] | None:
+    if cfg.param_dtype is None and cfg.reduce_dtype is None:
+        return None
+    label = lambda d: d.label if d is not None else None  # noqa: E731
+    return {"param": label(cfg.param_dtype), "reduce": label(cfg.reduce_dtype)}
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     """The plan as a JSON-ready dict; sizes in bytes, times in seconds, rates in bytes/s."""
     cfg, topo = plan.config, plan.config.topology
@@ -190,6 +213,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "optimizer": cfg.optimizer_bytes_per_param,
         },
         "dtypes": {"weights": cfg.weights_dtype.label, "grads": cfg.grads_dtype.label},
+        "policy": _policy_json(cfg),
+        "gathered_bytes": plan.gathered_bytes,
         "optimizer": _optimizer_label(plan),
         "memory": _memory_json(plan),
         "payload_bytes": plan.payload_bytes,

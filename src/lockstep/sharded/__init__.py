@@ -4,6 +4,9 @@
 |---|---|
 | `layout.py` | the pure flat layout: offsets, padding, each rank's shard |
 | `units.py` | which parameters go together: DDP buckets (1, 2) or wrapped modules (3) |
+| `precision.py` | `MixedPrecisionPolicy`: FSDP2's param, reduce and output dtypes |
+| `reshard.py` | stage 3's per-unit `reshard_after_forward` |
+| `modes.py` | the policy and the reshard rule, resolved and checked on every rank |
 | `flat.py` | `FlatParam`: a unit's flat buffer, its shard, the module's views |
 | `reduce_scatter.py` | `ShardBucket`; bucket collectives: all-reduce (1), reduce-scatter (2, 3) |
 | `sync.py` | `GradSync`: the engine's part of the shared backward driver (`runtime/driver.py`) |
@@ -17,5 +20,6 @@
 """
 
 from lockstep.sharded.engine import FSDP, ShardedDataParallel
+from lockstep.sharded.precision import MixedPrecisionPolicy
 
-__all__ = ["FSDP", "ShardedDataParallel"]
+__all__ = ["FSDP", "MixedPrecisionPolicy", "ShardedDataParallel"]

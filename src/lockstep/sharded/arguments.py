@@ -51,6 +51,7 @@ def check_arguments(
     setting: dict[str, object],
     wrap: Sequence[type] | None,
     process_group: dist.ProcessGroup | None,
+    problem: str | None = None,
 ) -> None:
     """Raise the same ValueError on every rank if any rank's arguments are wrong or differ.
 
@@ -59,11 +60,12 @@ def check_arguments(
         setting: this rank's arguments that must agree (stage, wrap names, bucket cap).
         wrap: the wrap classes.
         process_group: the group of ranks.
+        problem: what the engine found wrong with its other arguments, if anything.
 
     Raises:
         ValueError: naming the rank, what was expected and what was found.
     """
-    mine = (local_problem(module, setting["stage"], wrap), setting)
+    mine = (local_problem(module, setting["stage"], wrap) or problem, setting)
     gathered = gather_from_ranks(mine, process_group)
     here = dist.get_rank(process_group)
     for rank, entry in enumerate(gathered):

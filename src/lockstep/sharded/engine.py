@@ -35,7 +35,10 @@ from lockstep.sharded.arguments import check_arguments
 from lockstep.sharded.clip import clip_grad_norm_
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
+from lockstep.sharded.modes import resolve_modes
+from lockstep.sharded.precision import cast_inputs, cast_output, flat_dtypes, unit_input_hook
 from lockstep.sharded.reduce_scatter import make_collective
+from lockstep.sharded.reshard import ReshardRule
 from lockstep.sharded.sync import GradSync
 from lockstep.sharded.timeline import Timeline
 from lockstep.sharded.units import UnitSpec, bucket_units, collect_params, wrap_units
@@ -55,6 +58,9 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         check_data_passes: the step fingerprint compares passes over the data (as DDP's).
         nonfinite: "raise", "skip" or "off": what a step whose gradients hold NaN or inf
             on some rank does (`lockstep.runtime.finite`, docs/engine.md).
+        mp_policy: FSDP2's mixed precision (`lockstep.MixedPrecisionPolicy` or torch's).
+        reshard_after_forward: stage 3: free a unit after forward (True), keep it gathered
+            until its backward (False), per unit by class, name or callable (`reshard.py`).
 
     Raises:
         ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
@@ -74,6 +80,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         prefetch: bool = True,
         check_data_passes: bool = True,
         nonfinite: str = "raise",
+        mp_policy: Any = None,
+        reshard_after_forward: ReshardRule = True,
     ) -> None:
         super().__init__()
         refuse_wrapped_inside(module, "lockstep.ShardedDataParallel")
@@ -81,7 +89,11 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         setting["nonfinite"] = NonFinite.parse(nonfinite).value  # every rank ends such a step alike
-        check_arguments(module, setting, wrap, process_group)
+        modes = resolve_modes(
+            module, stage, wrap, mp_policy, reshard_after_forward, self.ctx.world_size
+        )
+        check_arguments(module, {**setting, **modes.setting()}, wrap, process_group, modes.problem)
+        self.mp_policy, self._kept = modes.policy, set(modes.kept)
         self.module, self.stage, self.process_group = module, stage, process_group
         self.require_backward_grad_sync = True
         self._params_stale = False
@@ -124,6 +136,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
                     self.ctx.world_size,
                     self.process_group,
                     keep_full=self.stage < 3,
+                    dtypes=flat_dtypes(self.mp_policy, key[0]),
                 )
                 flats.append(flat)
                 unit_flats.append(flat)
@@ -134,7 +147,13 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
 
     def _build_scheduler(self, units: list[Unit], prefetch: bool) -> GatherScheduler:
         root = next((u for u in units if u.module is None), None)
-        return GatherScheduler(root, [u for u in units if u.module is not None], prefetch)
+        wrapped = [u for u in units if u.module is not None]
+        hook = unit_input_hook(self.mp_policy)  # FSDP2 casts each unit's inputs too
+        for unit in wrapped:
+            unit.reshard_after_forward = unit.name not in self._kept
+            if hook is not None and unit.module is not None:
+                unit.module.register_forward_pre_hook(hook, with_kwargs=True)
+        return GatherScheduler(root, wrapped, prefetch)
 
     def _build_sync(self, check_data_passes: bool, nonfinite: str) -> GradSync:
         ctx = self.ctx
@@ -153,7 +172,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             self.process_group,
             ctx.rank,
             ctx.world_size,
-            keep_full_grad=self.stage == 1,
+            keep_full_grad=self.stage == 1 and not any(f.dtypes.differ for f in trainable),
             after_grad=(lambda flat: flat.free()) if self.scheduler else (lambda flat: None),
             at_backward_end=self._at_backward_end,
             check_data_passes=check_data_passes,
@@ -177,7 +196,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         else:
             assert self.scheduler is not None
             self.scheduler.begin_forward(driver.steps + 1)
-        output = self.module(*args, **kwargs)
+        args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
+        output = cast_output(self.mp_policy, self.module(*args, **kwargs))
         if self.scheduler is not None:
             self.scheduler.end_forward()
         if grad_enabled and self.require_backward_grad_sync:
@@ -214,7 +234,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
     def _drop_grads(self) -> None:
         for flat in self.flats:
             flat.shard.grad = None
-            flat.full.grad = None
+            flat.full.grad = flat.accumulated = None
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record forward, backward and every collective into `timeline` (None: stop)."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.sharded.layout import flat_layout
+from lockstep.sharded.precision import FlatDtypes, flat_dtypes, gather_cast
 from lockstep.sharded.units import ParamSlots
 from lockstep.torch_compat import all_gather_single
 
@@ -31,6 +32,8 @@ class FlatParam:
         world_size: size of `process_group`.
         process_group: the group the shards are spread over.
         keep_full: keep `full` allocated (stages 1 and 2) with `shard` a view of it.
+        dtypes: the shard's, compute and reduce dtypes (`precision.py`); None: the
+            parameters' own. A `full` in another dtype than the shard is a cast copy.
     """
 
     def __init__(
@@ -42,20 +45,27 @@ class FlatParam:
         world_size: int,
         process_group: dist.ProcessGroup | None,
         keep_full: bool,
+        dtypes: FlatDtypes | None = None,
     ) -> None:
         self.index, self.unit, self.slots = index, unit, params
         self.process_group = process_group
         self.shapes = [s.param.shape for s in params]
         self.layout = flat_layout([s.param.numel() for s in params], world_size)
         first = params[0].param
+        self.dtypes = dtypes or flat_dtypes(None, first.dtype)
+        self.accumulated: torch.Tensor | None = None  # no_sync's gradient in the reduce dtype
         full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             torch.cat([s.param.detach().reshape(-1) for s in params], out=full[: self.layout.numel])
         self.trainable = first.requires_grad
-        self.full = full.requires_grad_(self.trainable)
         start, end = self.layout.shard_range(rank)
         own = full.data[start:end]
-        self.shard = nn.Parameter(own if keep_full else own.clone(), self.trainable)
+        self.shard = nn.Parameter(
+            own if keep_full and not self.dtypes.casts else own.clone(), self.trainable
+        )
+        if self.dtypes.casts:
+            full = full.to(self.dtypes.param)
+        self.full = full.requires_grad_(self.trainable)
         self.keep_full = keep_full
         self.gathered = True
         self._detach_from_module()
@@ -91,6 +101,8 @@ class FlatParam:
         if storage.nbytes() == 0:
             storage.resize_(self.nbytes)
         self.gathered = True
+        if self.dtypes.casts:  # FSDP2: the all-gather runs in param_dtype
+            return gather_cast(self.full.data, self.shard.data, self.process_group)
         work = all_gather_single(
             self.full.data, self.shard.data, group=self.process_group, async_op=True
         )

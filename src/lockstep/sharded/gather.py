@@ -33,6 +33,7 @@ class Unit:
         self.viewed = False
         self.timeline: Timeline | None = None
         self.step = 1  # the synchronised step these gathers serve, for stall reports
+        self.reshard_after_forward = True  # False: stays gathered until its backward
 
     def start_gather(self) -> None:
         """Start the all-gathers of the flats that are not gathered (a prefetch)."""
@@ -136,6 +137,8 @@ class GatherScheduler:
                     torch.autograd.graph.register_multi_grad_hook(
                         needing, self._pre_backward_for(unit), mode="any"
                     )
+                if not unit.reshard_after_forward:
+                    return  # kept: backward finds it gathered, no second all-gather
             unit.free()
 
         return post_forward

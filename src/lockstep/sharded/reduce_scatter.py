@@ -19,6 +19,7 @@ from lockstep.runtime.bucket_collective import AllReduceMean, Averaging, BucketC
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.precision import reduce_input
 from lockstep.torch_compat import reduce_scatter_single
 
 _EMPTY = torch.empty(0)
@@ -78,22 +79,25 @@ def make_collective(
 
 def shard_bucket(position: int, flat: FlatParam, collective: BucketCollective) -> ShardBucket:
     """The bucket of `flat`, at `position` in launch order; empty until `fill_bucket`."""
-    averaging = collective.averaging(flat.full.dtype)
+    averaging = collective.averaging(flat.dtypes.reduce)
     scatters = isinstance(collective, ReduceScatterMean)
+    nbytes = flat.layout.padded_numel * flat.dtypes.reduce.itemsize  # what the collective sends
     return ShardBucket(
         position, [flat.shard], [flat.index], _EMPTY, [], averaging,
-        scatters=scatters, flat_nbytes=flat.nbytes,
+        scatters=scatters, flat_nbytes=nbytes,
     )  # fmt: skip
 
 
 def fill_bucket(bucket: ShardBucket, flat: FlatParam, rank: int) -> None:
-    """Point `bucket` at `flat.full.grad` (found in place, so the engine divides it by N)."""
-    grad = flat.full.grad
-    assert grad is not None
+    """Point `bucket` at `flat.full.grad` (found in place, so the engine divides it by N).
+
+    Under a mixed-precision policy, at its copy in the reduce dtype (`precision.py`).
+    """
+    grad = reduce_input(flat)
     bucket.buffer, bucket.views = grad, [grad]
     bucket.found(grad)
     if bucket.scatters:
-        bucket.shard_grad = torch.empty_like(flat.shard)
+        bucket.shard_grad = grad.new_empty(flat.layout.shard_numel)
     else:
         start, end = flat.layout.shard_range(rank)
         bucket.shard_grad = grad[start:end]

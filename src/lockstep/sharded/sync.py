@@ -27,6 +27,7 @@ from lockstep.runtime.handles import CollectiveHandle
 from lockstep.runtime.step import StepState
 from lockstep.runtime.streams import at_backward_end
 from lockstep.sharded.flat import FlatParam
+from lockstep.sharded.precision import keep_local_grad, to_shard_dtype
 from lockstep.sharded.reduce_scatter import ShardBucket, fill_bucket, shard_bucket
 from lockstep.sharded.shard_grad import as_shard_grad
 from lockstep.sharded.timeline import Span, Timeline
@@ -94,6 +95,7 @@ class GradSync:
         def hook(_: torch.Tensor) -> None:
             step = self.driver.step
             if step is None:
+                keep_local_grad(flat)  # no_sync under a policy: kept in the reduce dtype
                 self._local_backward()
             elif not step.marked[pos]:
                 if not step.started:
@@ -149,10 +151,11 @@ class GradSync:
         """This rank's averaged shard into `shard.grad` (added: `.grad` accumulates)."""
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         shard = self.flats[bucket.index].shard
+        grad = to_shard_dtype(bucket.shard_grad, self.flats[bucket.index])  # a policy casts
         if shard.grad is None:  # torch's clip_grad_norm_ sees the global norm
-            shard.grad = as_shard_grad(bucket.shard_grad, self.flats[bucket.index].process_group)
+            shard.grad = as_shard_grad(grad, self.flats[bucket.index].process_group)
         else:
-            shard.grad.add_(bucket.shard_grad)
+            shard.grad.add_(grad)
         bucket.release()
 
     def unfinished(self, step: StepState) -> str:  # every bucket is launched by before_waits
