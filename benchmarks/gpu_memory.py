@@ -10,7 +10,7 @@ and the cache emptied). Per rank: the states after a step, before zero_grad
 (`torch.cuda.memory_allocated` minus what was allocated before the model was
 built: weights, gradients, optimizer state, bucket and gather buffers), the peak
 of the step (`torch.cuda.max_memory_allocated`, activations included), and what
-`lockstep plan` predicts for the states (`sharded/memory.py`, planned_bytes;
+`lockstep plan` predicts for the states (`plan/measured.py`, planned_bytes;
 FSDP2 is compared with the ZeRO-3 row). On the CPU only the plan column and the
 storage count of the states (`measured_bytes`) are printed.
 """
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_vs_torch import MID, TINY, gpt, tokens, wrap_sharded
-from lockstep.sharded.memory import measured_bytes, planned_bytes
+from lockstep.plan.measured import measured_bytes, planned_bytes
 from workloads import _next_token_loss
 
 from lockstep.testing import run_ranks
