@@ -62,14 +62,15 @@ def synchronise(device: str) -> None:
 
 
 class EngineClock:
-    """Host seconds spent in lockstep's reducer hooks and finalize (instance patches)."""
+    """Host seconds in lockstep's gradient hooks and the driver's finalize (instance patches)."""
 
     def __init__(self, reducer) -> None:
         self.seconds, self.steps = 0.0, 0
         self.tensors = len(reducer.params)
         reducer._mark_ready = self._timed(reducer._mark_ready)
-        finalize = self._timed(reducer._finalize)
-        reducer._finalize = lambda: (finalize(), self._count())
+        driver = reducer.driver  # runtime/driver.py: queues its `_finalize` every step
+        finalize = self._timed(driver._finalize)
+        driver._finalize = lambda: (finalize(), self._count())
 
     def _count(self) -> None:
         self.steps += 1

@@ -7,6 +7,11 @@ table must count each test function's outcomes and show the first failure.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import ddp_cases
 import pytest
 import torch
@@ -56,3 +61,18 @@ def test_the_table_counts_outcomes_per_test_function_and_shows_the_failure():
     ]
     table = render([("check", "result", "detail"), *rows]).splitlines()
     assert len(table) == 4 and table[2].startswith("test_a::test_x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["gpu_memory.py", "gpu_vs_torch.py"])
+def test_the_gpu_benchmarks_run_on_cpu_at_smoke_size(script, tmp_path):
+    """Each benchmark's `--smoke --device cpu` runs to its table (a GPU session finds them whole)."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(root / "benchmarks" / script), "--smoke", "--device", "cpu"]
+    done = subprocess.run(
+        [*cmd, "--json", str(out)], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert out.exists() and json.loads(out.read_text()), done.stdout[-2000:]
