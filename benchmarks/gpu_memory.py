@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_vs_torch import MID, TINY, gpt, tokens, wrap_sharded
-from lockstep.plan.measured import measured_bytes, planned_bytes
 from workloads import _next_token_loss
 
+from lockstep.plan.measured import measured_bytes, planned_bytes
 from lockstep.testing import run_ranks
 
 ENGINES = {"ddp": 0, "stage1": 1, "stage2": 2, "stage3": 3, "fsdp2": 3}

@@ -67,7 +67,7 @@ def test_the_table_counts_outcomes_per_test_function_and_shows_the_failure():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", ["gpu_memory.py", "gpu_vs_torch.py"])
 def test_the_gpu_benchmarks_run_on_cpu_at_smoke_size(script, tmp_path):
-    """Each benchmark's `--smoke --device cpu` runs to its table (a GPU session finds them whole)."""
+    """`--smoke --device cpu` runs each benchmark to its table: a GPU session finds it whole."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(root / "benchmarks" / script), "--smoke", "--device", "cpu"]
