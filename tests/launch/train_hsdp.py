@@ -1,0 +1,84 @@
+"""Stage 3, flat or hybrid (HSDP), under `lockstep run`; records the node's link bytes per step.
+
+    lockstep run --nproc-per-node 2 --nnodes 2 ... tests/launch/train_hsdp.py --out DIR --hybrid
+
+A stack of wrapped blocks (every parameter inside a unit, so each unit is
+gathered exactly twice a step). Around each step every rank meets at a barrier
+and local rank 0 reads its namespace's veth counter
+(/sys/class/net/<veth>/statistics/tx_bytes, the namespace's own sysfs under
+`ip netns exec`). Rank 0 and the first rank of node 1 write per-step bytes,
+step seconds, the step stats and the gradient bytes to OUT/node<k>.json.
+`benchmarks/hsdp_link.py` runs it over a link slowed with `tc`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lockstep
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def _tx_bytes() -> int:
+    """Bytes sent so far on this namespace's one non-loopback interface."""
+    links = [p for p in Path("/sys/class/net").iterdir() if p.name != "lo"]
+    return sum(int((p / "statistics" / "tx_bytes").read_text()) for p in links)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hybrid", action="store_true")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=8)
+    args = parser.parse_args()
+    ctx = lockstep.init()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    model = lockstep.ShardedDataParallel(net, stage=3, wrap=[Block], hybrid=args.hybrid)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sent, seconds = [], []
+    for step in range(args.steps):
+        x = torch.randn(
+            4, args.width, generator=torch.Generator().manual_seed(step * 100 + ctx.rank)
+        )
+        dist.barrier()
+        before, start = _tx_bytes(), time.perf_counter()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        sent.append(_tx_bytes() - before)
+        seconds.append(time.perf_counter() - start)
+    if ctx.local_rank == 0:
+        record = {
+            "sent": sent,
+            "seconds": seconds,
+            "grad_bytes": grad_bytes,
+            "wire_levels": dict(model.stats.wire_levels),
+            "shard_numel": sum(f.shard.numel() for f in model.flats),
+        }
+        Path(args.out, f"node{ctx.node_rank}.json").write_text(json.dumps(record))
+    lockstep.shutdown() if hasattr(lockstep, "shutdown") else dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
