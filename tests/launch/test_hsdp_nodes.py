@@ -22,7 +22,7 @@ from lockstep.plan.hybrid import link_bytes
 from lockstep.testing.netns import two_hosts
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
-SCRIPT = str(Path(__file__).with_name("train_hsdp.py"))
+SCRIPT = str(Path(__file__).parents[2] / "benchmarks" / "hsdp_link_worker.py")
 OVERHEAD = 1.10
 
 

@@ -58,7 +58,7 @@ def link_bytes(
     across = 2 * _ring(m) * grad_bytes
     replica = across / g  # each GPU's shard, all-reduced with its M-1 copies
     return [
-        LinkBytes("DDP (two-phase)", 2 * _ring(g) * grad_bytes + replica, across),
+        LinkBytes("DDP, two-phase", 2 * _ring(g) * grad_bytes + replica, across),
         LinkBytes(
             "ZeRO-2", _ring(n) * (grad_bytes + weight_bytes), _ring(n) * (grad_bytes + weight_bytes)
         ),

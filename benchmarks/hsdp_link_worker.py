@@ -1,6 +1,6 @@
 """Stage 3, flat or hybrid (HSDP), under `lockstep run`; records the node's link bytes per step.
 
-    lockstep run --nproc-per-node 2 --nnodes 2 ... tests/launch/train_hsdp.py --out DIR --hybrid
+    lockstep run --nproc-per-node 2 --nnodes 2 ... benchmarks/hsdp_link_worker.py --out DIR --hybrid
 
 A stack of wrapped blocks (every parameter inside a unit, so each unit is
 gathered exactly twice a step). Around each step every rank meets at a barrier
@@ -8,7 +8,8 @@ and local rank 0 reads its namespace's veth counter
 (/sys/class/net/<veth>/statistics/tx_bytes, the namespace's own sysfs under
 `ip netns exec`). Rank 0 and the first rank of node 1 write per-step bytes,
 step seconds, the step stats and the gradient bytes to OUT/node<k>.json.
-`benchmarks/hsdp_link.py` runs it over a link slowed with `tc`.
+`benchmarks/hsdp_link.py` runs it over a link slowed with `tc`, and
+`tests/launch/test_hsdp_nodes.py` over an unshaped one.
 """
 
 from __future__ import annotations
