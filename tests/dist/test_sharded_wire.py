@@ -1,27 +1,39 @@
-"""Stages 2 and 3 send their theoretical bytes, and the step stats report what was sent.
+"""Stages 2 and 3 send their theoretical bytes; the step stats and `lockstep plan` say so.
 
 Bytes are measured by the kernel, not by the engine: `/proc/self/io`'s `wchar`
 counts every byte a process writes to its sockets (gloo's threads and the
-communication thread included), read around `loss.backward()` of stage 2, whose
-only collectives are the gradient reduce-scatters and the step fingerprint.
-Theory for a reduce-scatter of G bytes over N ranks: (N-1)/N x G per rank
-(gloo's own reduce-scatter is an all-reduce and sends 2(N-1)/N x G, which this
-test would see). HSDP (2 x 2): (S-1)/S x G inside the shard group plus
-2(R-1)/R x G/S across replicas. The step stats must equal the theory exactly and
-the measured bytes within framing (headers and the fingerprint: under 2%).
+communication thread included). Four gloo ranks, flat and as 2 "nodes" x 2
+(HSDP). Around `loss.backward()` of stage 2 (its only collectives are the
+gradient reduce-scatters and the step fingerprint) the bytes must equal the step
+stats within framing: theory (N-1)/N x G flat (gloo's own reduce-scatter is an
+all-reduce and sends 2(N-1)/N x G, which this test would see); HSDP (S-1)/S x G
+inside the shard group plus 2(R-1)/R x G/S across replicas. Over a whole
+iteration (forward to forward: all-gathers included) the bytes must equal
+`plan/hybrid.link_bytes`'s per-GPU figure of ZeRO-2/3 and HSDP-2/3 within framing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import lockstep
+from lockstep.plan.hybrid import link_bytes
 from lockstep.testing import run_ranks
 
-FRAMING = 1.02
+FRAMING = 1.02  # headers of gloo's messages and the step fingerprint
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
 
 
 def _wchar() -> int:
@@ -31,34 +43,59 @@ def _wchar() -> int:
     raise AssertionError("no wchar in /proc/self/io")
 
 
-def _measure(ctx, hybrid: bool) -> dict:
+def _measure(ctx, stage: int, hybrid: bool) -> dict:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    net = nn.Sequential(Block(), Block())  # every parameter inside a unit (stage 3)
     extra = {"hybrid": True, "shard_group_size": 2} if hybrid else {}
-    model = lockstep.ShardedDataParallel(net, stage=2, bucket_cap_mb=0.2, **extra)
+    extra.update({"wrap": [Block]} if stage == 3 else {"bucket_cap_mb": 0.2})
+    model = lockstep.ShardedDataParallel(net, stage=stage, **extra)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sent = []
-    for step in range(3):
+    backward, iteration = [], []
+    for step in range(4):
+        start = _wchar()
         x = torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * ctx.rank + step))
         loss = model(x).pow(2).mean()
         before = _wchar()
         loss.backward()
-        sent.append(_wchar() - before)
+        backward.append(_wchar() - before)
         opt.step()
         opt.zero_grad()
-    grad_bytes = sum(f.nbytes for f in model.flats if f.trainable)
-    return {"sent": sent, "stats": model.stats.wire_bytes, "G": grad_bytes}
+        iteration.append(_wchar() - start)
+    grad_bytes = sum(f.nbytes // f.layout.padded_numel * f.layout.numel for f in model.flats)
+    return {
+        "backward": backward[1:],  # the first step also sets up connections
+        "iteration": iteration[2:],  # stage 2 gathers the first update at step 2's forward
+        "stats": model.stats.wire_bytes,
+        "padded": sum(f.nbytes for f in model.flats if f.trainable),
+        "G": grad_bytes,
+    }
 
 
-def _both(ctx) -> dict:
-    return {"flat": _measure(ctx, False), "hybrid": _measure(ctx, True)}
+def _all(ctx) -> dict:
+    return {(s, h): _measure(ctx, s, h) for s in (2, 3) for h in (False, True)}
 
 
-def test_reduce_scatter_sends_its_theory_and_the_stats_say_so():
-    for result in run_ranks(_both, 4, deadline_s=120):
-        flat, hybrid = result["flat"], result["hybrid"]
-        theory = {"flat": 3 * flat["G"] // 4, "hybrid": hybrid["G"] // 2 + hybrid["G"] // 2}
-        for kind, out in (("flat", flat), ("hybrid", hybrid)):
-            assert out["stats"] == theory[kind], (kind, out)
-            for sent in out["sent"][1:]:  # the first step also sets up connections
-                assert out["stats"] <= sent <= FRAMING * out["stats"], (kind, out)
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(_all, 4, deadline_s=120)
+
+
+def test_reduce_scatter_sends_its_theory_and_the_stats_say_so(world4):
+    for result in world4:
+        flat, hybrid = result[(2, False)], result[(2, True)]
+        assert flat["stats"] == 3 * flat["padded"] // 4, flat  # (N-1)/N
+        assert hybrid["stats"] == hybrid["padded"] // 2 + hybrid["padded"] // 2, hybrid
+        for out in (flat, hybrid):
+            for sent in out["backward"]:
+                assert out["stats"] <= sent <= FRAMING * out["stats"], out
+
+
+def test_plan_per_gpu_bytes_match_the_measured_iteration(world4):
+    for result in world4:
+        g = result[(2, False)]["G"]
+        plan = {row.label: row.per_gpu for row in link_bytes(2, 2, g, g, g)}
+        for key, label in {
+            (2, False): "ZeRO-2", (2, True): "HSDP-2", (3, False): "ZeRO-3", (3, True): "HSDP-3"
+        }.items():  # fmt: skip
+            for sent in result[key]["iteration"]:
+                assert plan[label] <= sent <= FRAMING * plan[label], (label, sent, plan[label])
