@@ -6,7 +6,8 @@ groups: torch's `fully_shard` on `init_device_mesh("cpu", (2, 2), mesh_dim_names
 same as torch's (gradients divided by 4, a sum of two in the shard group, a sum
 of two across replicas: each order-free), so stages 2 and 3 must match it
 bitwise with AdamW. Flat stage 3 adds the four addends in another order: 1e-6
-absolute with SGD (as `test_sharded_parity.py` at world size 4). Each rank holds
+absolute with SGD (as `test_sharded_parity.py` at world size 4; the losses to
+1e-6 relative). Each rank holds
 1/2 of the optimizer state, and the step stats count both levels' bytes.
 """
 
@@ -135,7 +136,8 @@ def test_hsdp_matches_flat_stage_3(world4, name):
         ours, flat = results[(name, "hsdp3", "sgd")], results[(name, "stage3", "sgd")]
         for key, value in flat["state"].items():
             torch.testing.assert_close(ours["state"][key], value, atol=1e-6, rtol=0)
-        torch.testing.assert_close(ours["losses"], flat["losses"], atol=1e-6, rtol=0)
+        # A loss near 12 has a float32 spacing near 1e-6: the losses are held relatively.
+        torch.testing.assert_close(ours["losses"], flat["losses"], atol=1e-6, rtol=1e-6)
 
 
 def test_shards_and_optimizer_state_are_half_of_the_model(world4):

@@ -148,7 +148,10 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
 
     def _build_sync(self, check_data_passes: bool, nonfinite: str) -> GradSync:
         ctx = self.ctx
-        collective = grad_collective(self.stage, self.mesh, ctx.world_size, ctx.local_world_size)
+        device = self.flats[0].full.device
+        collective = grad_collective(
+            self.stage, self.mesh, ctx.world_size, ctx.local_world_size, device
+        )
         trainable = [flat for flat in self.flats if flat.trainable]
         if self.stage == 3:  # the last unit's gradient is ready first
             trainable.reverse()

@@ -34,6 +34,7 @@ from lockstep.runtime.handles import CollectiveHandle, ThreadHandle
 from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.sharded.mesh import ShardMesh
 from lockstep.sharded.reduce_scatter import ShardBucket, make_collective
+from lockstep.torch_compat import reduce_scatter_single
 
 SHARD_LEVEL = "reduce_scatter"
 REPLICA_LEVEL = "replica_all_reduce"
@@ -41,7 +42,12 @@ REPLICA_LEVEL = "replica_all_reduce"
 
 def native_scatter_sends_more(process_group: dist.ProcessGroup | None) -> bool:
     """True where the backend's reduce-scatter sends more than (N-1)/N: gloo's is an all-reduce."""
-    return dist.get_backend(process_group) == "gloo"
+    return dist.is_initialized() and dist.get_backend(process_group) == "gloo"
+
+
+def ring_fits(process_group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Use lockstep's ring: gloo on CPU tensors (gloo's send and receive take CPU memory only)."""
+    return native_scatter_sends_more(process_group) and device.type == "cpu"
 
 
 class RingScatterReduce:
@@ -51,12 +57,15 @@ class RingScatterReduce:
         mesh: the shard group and, for HSDP, the replica group.
         world_size: N, every rank that adds to a gradient (S x R).
         spans_nodes: the shard group crosses nodes (smaller ring messages).
+        ring: lockstep's ring reduce-scatter (gloo, CPU); else the backend's own call.
     """
 
     scatters = True  # each rank keeps its shard of the result (`ShardBucket.shard_grad`)
 
-    def __init__(self, mesh: ShardMesh, world_size: int, spans_nodes: bool) -> None:
-        self.mesh, self.world_size = mesh, world_size
+    def __init__(self, mesh: ShardMesh, world_size: int, spans_nodes: bool, ring: bool) -> None:
+        self.mesh, self.world_size, self.ring = mesh, world_size, ring
+        # gloo's own reduce-scatter is an all-reduce: 2(S-1)/S where the ring sends (S-1)/S.
+        self.native_factor = 2 if native_scatter_sends_more(mesh.shard_group) else 1
         self.segment_bytes = NETWORK_SEGMENT_BYTES if spans_nodes else SEGMENT_BYTES
         self.sent = {SHARD_LEVEL: 0, REPLICA_LEVEL: 0} if mesh.hybrid else {SHARD_LEVEL: 0}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lockstep-scatter")
@@ -77,9 +86,14 @@ class RingScatterReduce:
         bounds = [i * n for i in range(mesh.shard_size + 1)]
         # shard_grad is the receive buffer of every ring step, then takes the result.
         group = mesh.shard_group
-        ring_reduce_scatter_(buffer, bounds, ReduceOp.SUM, group, shard_grad, self.segment_bytes)
-        own = mesh.shard_rank
-        shard_grad.copy_(buffer[bounds[own] : bounds[own + 1]])
+        if self.ring:
+            ring_reduce_scatter_(
+                buffer, bounds, ReduceOp.SUM, group, shard_grad, self.segment_bytes
+            )
+            own = mesh.shard_rank
+            shard_grad.copy_(buffer[bounds[own] : bounds[own + 1]])
+        else:
+            reduce_scatter_single(shard_grad, buffer, group=group)
         if mesh.hybrid:
             dist.all_reduce(shard_grad, group=mesh.replica_group)
         return time.perf_counter()
@@ -87,7 +101,8 @@ class RingScatterReduce:
     def _count(self, buffer: torch.Tensor, shard_grad: torch.Tensor) -> None:
         """Bytes this rank sends: S-1 ring steps of one shard each; the replicas' ring."""
         shard_bytes = shard_grad.numel() * shard_grad.element_size()
-        self.sent[SHARD_LEVEL] += (self.mesh.shard_size - 1) * shard_bytes
+        factor = 1 if self.ring else self.native_factor
+        self.sent[SHARD_LEVEL] += factor * (self.mesh.shard_size - 1) * shard_bytes
         if self.mesh.hybrid:
             self.sent[REPLICA_LEVEL] += ring_wire_bytes(shard_bytes, self.mesh.replica_size)
 
@@ -102,15 +117,16 @@ class RingScatterReduce:
 
 
 def grad_collective(
-    stage: int, mesh: ShardMesh, world_size: int, local_world_size: int
+    stage: int, mesh: ShardMesh, world_size: int, local_world_size: int, device: torch.device
 ) -> BucketCollective:
     """The gradient collective of a stage: the backend's where it is at theory, else the ring.
 
     Stage 1 all-reduces (DDP's `AllReduceMean`); stages 2 and 3 reduce-scatter with
-    the backend's own call where it sends (N-1)/N (NCCL), and with `RingScatterReduce`
-    where it sends more (gloo) and for HSDP.
+    the backend's own call where it sends (N-1)/N (NCCL), and with lockstep's ring
+    where it sends more (gloo, CPU tensors); HSDP adds the replicas' all-reduce.
     """
-    if stage == 1 or (not mesh.hybrid and not native_scatter_sends_more(mesh.shard_group)):
+    ring = ring_fits(mesh.shard_group, device)
+    if stage == 1 or (not mesh.hybrid and not ring):
         return make_collective(stage, mesh.shard_group, world_size, local_world_size)
     spans_nodes = mesh.shard_size > local_world_size
-    return RingScatterReduce(mesh, world_size, spans_nodes)
+    return RingScatterReduce(mesh, world_size, spans_nodes, ring)

@@ -49,7 +49,8 @@ class ReduceScatterMean:
     """Gradients averaged by the engine, then one SUM reduce-scatter per bucket.
 
     The backend's own call: where it is a ring (NCCL) each rank sends (N-1)/N of
-    the bucket, the figure it reports; gloo's sends more (`sharded/hybrid.py`).
+    the bucket; gloo's is an all-reduce, 2(N-1)/N (on CPU tensors lockstep's ring
+    replaces it: `sharded/hybrid.py`). The figure reported is what was sent.
     """
 
     scatters = True  # each rank keeps its shard of the result (`ShardBucket.shard_grad`)
@@ -58,6 +59,8 @@ class ReduceScatterMean:
         self.process_group = process_group
         self.world_size = world_size
         self.sent = 0
+        gloo = dist.is_initialized() and dist.get_backend(process_group) == "gloo"
+        self.factor = 2 if gloo else 1
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
         return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None
@@ -65,7 +68,7 @@ class ReduceScatterMean:
     def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         bucket.divide_found_in_place()
-        self.sent += (self.world_size - 1) * bucket.shard_grad.nbytes
+        self.sent += self.factor * (self.world_size - 1) * bucket.shard_grad.nbytes
         work = reduce_scatter_single(
             bucket.shard_grad, bucket.buffer, group=self.process_group, async_op=True
         )
@@ -75,7 +78,7 @@ class ReduceScatterMean:
         return None
 
     def take_wire_bytes(self) -> dict[str, int]:
-        """Bytes sent since the last call, (N-1)/N of each bucket (the driver calls it)."""
+        """Bytes sent since the last call (the driver calls it each step)."""
         sent, self.sent = self.sent, 0
         return {"reduce_scatter": sent}
 
