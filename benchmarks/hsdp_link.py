@@ -9,8 +9,9 @@ some kernels lack; `testing/netns.shape`).
 Each node runs `lockstep run` with two workers (`hsdp_link_worker.py`: 8 wrapped
 blocks of width `--width`, stage 3, SGD), once flat and once with hybrid=True,
 alternating for `--reps` rounds. Reported: median step seconds (rank 0, steps
-after the first) and the bytes node 0 sent over the link per step (its veth
-counter) against `lockstep plan`'s per-link figure (`plan/hybrid.py`).
+after the first), the bytes node 0 sent over the link per step (its veth
+counter, which counts resent TCP segments too) against `lockstep plan`'s
+per-link figure (`plan/hybrid.py`), and the TCP segments node 0 resent per step.
 Needs root (namespaces, tc).
 """
 
@@ -70,6 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     seconds: dict[str, list[float]] = {"flat stage 3": [], "HSDP stage 3": []}
     sent: dict[str, list[int]] = {key: [] for key in seconds}
+    resent: dict[str, list[int]] = {key: [] for key in seconds}
     grad = 0
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -79,20 +81,24 @@ def main() -> None:
                 got = run_once(args, hybrid, Path(tmp) / f"{rep}-{int(hybrid)}")
                 seconds[key] += got["seconds"][1:]
                 sent[key] += got["sent"][1:]
+                resent[key] += got["retransmitted_segments"][1:]
                 grad = got["grad_bytes"]
     theory = {row.label: row.across_per_node for row in link_bytes(2, 2, grad, grad, grad)}
     plan_of = {"flat stage 3": "ZeRO-3", "HSDP stage 3": "HSDP-3"}
     flat = statistics.median(seconds["flat stage 3"])
     link = args.rate + (f" + {args.delay}" if args.delay else "")
     print(f"2 nodes x 2 workers, link {link} each way, G = {grad / 1e6:.2f} MB")
-    print("| engine | MB node 0 sent across / step | plan | measured / plan | s / step | vs flat |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| engine | MB node 0 sent across / step | plan | measured / plan | "
+        "TCP segments resent / step | s / step | vs flat |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for key in seconds:
         mb, med = statistics.median(sent[key]), statistics.median(seconds[key])
         want = theory[plan_of[key]]
         print(
             f"| {key} | {mb / 1e6:.2f} | {want / 1e6:.2f} | {mb / want:.3f} | "
-            f"{med:.2f} | {med / flat:.2f} |"
+            f"{statistics.median(resent[key]):.0f} | {med:.2f} | {med / flat:.2f} |"
         )
 
 

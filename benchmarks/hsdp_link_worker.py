@@ -41,6 +41,13 @@ def _tx_bytes() -> int:
     return sum(int((p / "statistics" / "tx_bytes").read_text()) for p in links)
 
 
+def _retransmitted() -> int:
+    """TCP segments this namespace has sent again (/proc/net/snmp, RetransSegs)."""
+    rows = [line.split() for line in Path("/proc/self/net/snmp").read_text().splitlines()]
+    tcp = [row for row in rows if row[0] == "Tcp:"]
+    return int(tcp[1][tcp[0].index("RetransSegs")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -56,23 +63,25 @@ def main() -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     model = lockstep.ShardedDataParallel(net, stage=3, wrap=[Block], hybrid=args.hybrid)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sent, seconds = [], []
+    sent, seconds, resent = [], [], []
     for step in range(args.steps):
         x = torch.randn(
             4, args.width, generator=torch.Generator().manual_seed(step * 100 + ctx.rank)
         )
         dist.barrier()
-        before, start = _tx_bytes(), time.perf_counter()
+        before, start, again = _tx_bytes(), time.perf_counter(), _retransmitted()
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         dist.barrier()
         sent.append(_tx_bytes() - before)
         seconds.append(time.perf_counter() - start)
+        resent.append(_retransmitted() - again)
     if ctx.local_rank == 0:
         record = {
             "sent": sent,
             "seconds": seconds,
+            "retransmitted_segments": resent,
             "grad_bytes": grad_bytes,
             "wire_levels": dict(model.stats.wire_levels),
             "shard_numel": sum(f.shard.numel() for f in model.flats),
