@@ -118,6 +118,7 @@ def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
         for engine in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
             dist.barrier()
             before = _loopback()
+            dist.barrier()  # no rank starts the phase before rank 0 has read the counter
             for i in range(args.steps_per_rep):
                 seconds, nbytes = runners[engine].step(batches[i % len(batches)])
                 times[engine].append(seconds)
