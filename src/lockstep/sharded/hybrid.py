@@ -77,7 +77,7 @@ class RingScatterReduce:
     def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         bucket.divide_found_in_place()
-        self._count(bucket.buffer, bucket.shard_grad)
+        self._count(bucket.shard_grad)
         return ThreadHandle(self._thread.submit(self._run, bucket.buffer, bucket.shard_grad))
 
     def _run(self, buffer: torch.Tensor, shard_grad: torch.Tensor) -> float:
@@ -98,7 +98,7 @@ class RingScatterReduce:
             dist.all_reduce(shard_grad, group=mesh.replica_group)
         return time.perf_counter()
 
-    def _count(self, buffer: torch.Tensor, shard_grad: torch.Tensor) -> None:
+    def _count(self, shard_grad: torch.Tensor) -> None:
         """Bytes this rank sends: S-1 ring steps of one shard each; the replicas' ring."""
         shard_bytes = shard_grad.numel() * shard_grad.element_size()
         factor = 1 if self.ring else self.native_factor
