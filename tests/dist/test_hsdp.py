@@ -189,7 +189,6 @@ def _pause(ctx, pause_s: float) -> str:
     return waits.inspector().last_message
 
 
-@pytest.mark.slow
 def test_a_waiting_rank_names_the_paused_rank_across_groups():
     env = {"LOCKSTEP_STALL_WARN_S": "0.4"}
     messages = run_ranks(_pause, 4, 1.5, env=env, deadline_s=120)
