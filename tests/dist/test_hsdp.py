@@ -98,6 +98,28 @@ def _uneven_no_sync(ctx) -> str | None:
     return None
 
 
+def _resume(ctx) -> dict:
+    """Train 2 steps, save the full states, load them into a fresh wrapper: step 3 alike."""
+    batches = [[t.chunk(ctx.world_size)[ctx.rank] for t in b] for b in global_batches("gpt", 3)]
+    model = _wrap("hsdp3", "gpt")
+    opt = make_optimizer("adamw", model)
+    for batch in batches[:2]:
+        loss_of("gpt", model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = model.state_dict(), model.optimizer_state_dict(opt)
+    again = _wrap("hsdp3", "gpt")
+    again_opt = make_optimizer("adamw", again)
+    again.load_state_dict(saved[0])
+    again.load_optimizer_state_dict(again_opt, saved[1])
+    out = []
+    for wrapper, optimizer in ((model, opt), (again, again_opt)):
+        loss_of("gpt", wrapper, batches[2]).backward()
+        optimizer.step()
+        out.append({k: v.clone() for k, v in wrapper.state_dict().items()})
+    return {"continued": out[0], "resumed": out[1]}
+
+
 def _everything(ctx) -> dict:
     out = {}
     for name in ("mlp", "gpt"):
@@ -106,6 +128,7 @@ def _everything(ctx) -> dict:
         for engine in ("hsdp3", "stage3"):
             out[(name, engine, "sgd")] = _train(ctx, engine, name, "sgd")
     out["toggle"], out["no_sync"] = _accumulate(ctx, "toggle"), _accumulate(ctx, "no_sync")
+    out["resume"] = _resume(ctx)
     out["uneven"] = _uneven_no_sync(ctx)  # last: the mismatch ends the run
     return out
 
@@ -160,6 +183,13 @@ def test_step_stats_count_both_levels(world4):
             flat = results[(name, "stage3", "sgd")]
             flat_shard = sum(shard for _, shard in flat["flats"]) * 4
             assert flat["levels"] == {"reduce_scatter": 3 * flat_shard}  # (N-1)/N, not 2(N-1)/N
+
+
+def test_full_state_and_optimizer_state_resume_bitwise(world4):
+    for rank, results in enumerate(world4):
+        continued, resumed = results["resume"]["continued"], results["resume"]["resumed"]
+        for key, value in continued.items():
+            assert torch.equal(resumed[key], value), f"{key} rank {rank}"
 
 
 def test_sync_toggle_and_fingerprint_hold(world4):
