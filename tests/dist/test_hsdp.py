@@ -224,3 +224,26 @@ def test_a_waiting_rank_names_the_paused_rank_across_groups():
     messages = run_ranks(_pause, 4, 1.5, env=env, deadline_s=120)
     assert "[rank 0]: waited" in messages[0] and "gradient bucket" in messages[0], messages[0]
     assert "rank(s) 3 have not launched it" in messages[0], messages[0]
+
+
+def _refused(ctx) -> list[str]:
+    messages = []
+    for stage, extra in (
+        (1, {"hybrid": True, "shard_group_size": 1}),
+        (3, {"hybrid": True, "shard_group_size": 3}),
+        (3, {"shard_group_size": 1}),
+    ):
+        try:
+            lockstep.ShardedDataParallel(build("mlp"), stage=stage, **extra)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_hybrid_arguments_raise_on_every_rank():
+    for rank, messages in enumerate(run_ranks(_refused, 2, deadline_s=60)):
+        assert len(messages) == 3, messages
+        assert "hybrid sharding applies to stages 2 and 3" in messages[0]
+        assert "must divide the world size 2; found 3" in messages[1]
+        assert "applies to hybrid sharding; pass hybrid=True" in messages[2]
+        assert all(f"(raised on rank {rank})" in m for m in messages), messages
