@@ -3,10 +3,11 @@
     lockstep run --nproc-per-node 2 --nnodes 2 ... benchmarks/hsdp_link_worker.py --out DIR --hybrid
 
 A stack of wrapped blocks (every parameter inside a unit, so each unit is
-gathered exactly twice a step). Around each step every rank meets at a barrier
-and local rank 0 reads its namespace's veth counter
+gathered exactly twice a step). Before each step every rank meets at a barrier,
+local rank 0 reads its namespace's veth counter
 (/sys/class/net/<veth>/statistics/tx_bytes, the namespace's own sysfs under
-`ip netns exec`). Rank 0 and the first rank of node 1 write per-step bytes,
+`ip netns exec`), and a second barrier lets the step start; after it, one more
+barrier and the counter again. Rank 0 and the first rank of node 1 write per-step bytes,
 step seconds, the step stats and the gradient bytes to OUT/node<k>.json.
 `benchmarks/hsdp_link.py` runs it over a link slowed with `tc`, and
 `tests/launch/test_hsdp_nodes.py` over an unshaped one.
@@ -70,6 +71,7 @@ def main() -> None:
         )
         dist.barrier()
         before, start, again = _tx_bytes(), time.perf_counter(), _retransmitted()
+        dist.barrier()  # no rank starts the step before the counter is read
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
