@@ -8,7 +8,8 @@ local rank 0 reads its namespace's veth counter
 (/sys/class/net/<veth>/statistics/tx_bytes, the namespace's own sysfs under
 `ip netns exec`), and a second barrier lets the step start; after it, one more
 barrier and the counter again. Rank 0 and the first rank of node 1 write per-step bytes,
-step seconds, the step stats and the gradient bytes to OUT/node<k>.json.
+step seconds, the step stats and the gradient bytes to OUT/node<k>.json
+(`--both`: flat, then hybrid, in one job, under "flat" and "hsdp").
 `benchmarks/hsdp_link.py` runs it over a link slowed with `tc`, and
 `tests/launch/test_hsdp_nodes.py` over an unshaped one.
 """
@@ -49,20 +50,12 @@ def _retransmitted() -> int:
     return int(tcp[1][tcp[0].index("RetransSegs")])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--hybrid", action="store_true")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=8)
-    args = parser.parse_args()
-    ctx = lockstep.init()
+def train(args: argparse.Namespace, ctx: lockstep.DistContext, hybrid: bool) -> dict:
+    """A few steps of stage 3, flat or hybrid; per step: bytes node sent, seconds, resends."""
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     net = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    model = lockstep.ShardedDataParallel(net, stage=3, wrap=[Block], hybrid=args.hybrid)
+    model = lockstep.ShardedDataParallel(net, stage=3, wrap=[Block], hybrid=hybrid)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sent, seconds, resent = [], [], []
     for step in range(args.steps):
@@ -79,17 +72,34 @@ def main() -> None:
         sent.append(_tx_bytes() - before)
         seconds.append(time.perf_counter() - start)
         resent.append(_retransmitted() - again)
+    return {
+        "sent": sent,
+        "seconds": seconds,
+        "retransmitted_segments": resent,
+        "grad_bytes": grad_bytes,
+        "wire_levels": dict(model.stats.wire_levels),
+        "shard_numel": sum(f.shard.numel() for f in model.flats),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hybrid", action="store_true")
+    parser.add_argument("--both", action="store_true", help="flat, then hybrid, in one job")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=8)
+    args = parser.parse_args()
+    ctx = lockstep.init()
+    torch.set_num_threads(1)
+    if args.both:
+        record = {"flat": train(args, ctx, False), "hsdp": train(args, ctx, True)}
+    else:
+        record = train(args, ctx, args.hybrid)
     if ctx.local_rank == 0:
-        record = {
-            "sent": sent,
-            "seconds": seconds,
-            "retransmitted_segments": resent,
-            "grad_bytes": grad_bytes,
-            "wire_levels": dict(model.stats.wire_levels),
-            "shard_numel": sum(f.shard.numel() for f in model.flats),
-        }
         Path(args.out, f"node{ctx.node_rank}.json").write_text(json.dumps(record))
-    lockstep.shutdown() if hasattr(lockstep, "shutdown") else dist.destroy_process_group()
+    lockstep.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ SCRIPT = str(Path(__file__).parents[2] / "benchmarks" / "hsdp_link_worker.py")
 OVERHEAD = 1.10
 
 
-def _run(out: Path, hybrid: bool) -> dict:
+def _run(out: Path) -> dict:
+    """One two-node job: flat stage 3, then HSDP (the worker's --both)."""
     out.mkdir(parents=True, exist_ok=True)
-    script = [SCRIPT, "--out", str(out), *(["--hybrid"] if hybrid else [])]
+    script = [SCRIPT, "--out", str(out), "--both"]
     with two_hosts() as (a, b):
         launchers = [
             Launcher([*node_args(a, rank), *script], out / f"launch{rank}.log", host)
@@ -41,8 +42,7 @@ def _run(out: Path, hybrid: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(netns_ready, tmp_path_factory):
-    root = tmp_path_factory.mktemp("hsdp_nodes")
-    return {"hsdp": _run(root / "hsdp", True), "flat": _run(root / "flat", False)}
+    return _run(tmp_path_factory.mktemp("hsdp_nodes"))
 
 
 def test_each_node_sends_its_shards_share_not_the_whole_gradient(measured):
