@@ -155,7 +155,7 @@ def test_hsdp_matches_torch_hsdp_bitwise(world4, name, engine):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_hsdp_matches_flat_stage_3(world4, name):
-    for rank, results in enumerate(world4):
+    for results in world4:
         ours, flat = results[(name, "hsdp3", "sgd")], results[(name, "stage3", "sgd")]
         for key, value in flat["state"].items():
             torch.testing.assert_close(ours["state"][key], value, atol=1e-6, rtol=0)
@@ -178,7 +178,8 @@ def test_step_stats_count_both_levels(world4):
             out = results[(name, "hsdp3", "adamw")]
             shard_bytes = sum(shard for _, shard in out["flats"]) * 4  # fp32
             # S = 2: one shard each way inside the group; R = 2: 2(R-1)/R x shard across.
-            assert out["levels"] == {"reduce_scatter": shard_bytes, "replica_all_reduce": shard_bytes}
+            both = {"reduce_scatter": shard_bytes, "replica_all_reduce": shard_bytes}
+            assert out["levels"] == both
             assert out["wire"] == 2 * shard_bytes
             flat = results[(name, "stage3", "sgd")]
             flat_shard = sum(shard for _, shard in flat["flats"]) * 4
