@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lockstep.plan.comm import ring_factor
+from lockstep.plan.hybrid_report import hybrid_json, hybrid_section
 from lockstep.plan.links import Link
 from lockstep.plan.planner import CommRow, Plan
 from lockstep.plan.units import format_bytes, format_count, format_rate, format_seconds
@@ -144,7 +145,8 @@ def format_table(plan: Plan) -> str:
         f"effective batch  {cfg.batch_size} per GPU x {cfg.gpus} GPUs x {cfg.grad_accum} "
         f"accumulation step(s) = {plan.effective_batch}"
     )
-    lines = [*_header(plan), *_memory_table(plan), *_comm_table(plan), "", batch]
+    lines = [*_header(plan), *_memory_table(plan), *_comm_table(plan), *hybrid_section(plan)]
+    lines += ["", batch]
     return "\n".join(lines)
 
 
@@ -222,6 +224,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "bucket_cap_bytes": cfg.bucket_cap_bytes,
         "sent_per_gpu_bytes": plan.sent_per_gpu_bytes,
         "allreduce": _allreduce_json(plan),
+        **({"hsdp": hybrid_json(plan)} if cfg.nodes > 1 else {}),
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "effective_batch_size": plan.effective_batch,

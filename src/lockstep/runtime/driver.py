@@ -88,6 +88,8 @@ class BackwardDriver:
         self.layout_hash = 0
         self.observers: list[StepObserver] = []
         self.end_of_step: list[Callable[[], None]] = []
+        # A collective that counts what it sent, per level (the sharded ring); None: ring figure.
+        self.wire_counter: Callable[[], dict[str, int]] | None = None
         self.step: StepState | None = None  # None outside a synchronised backward
         self.steps = 0
         self.last_stats: StepStats | None = None
@@ -180,8 +182,9 @@ class BackwardDriver:
         self.steps += 1
         self.graph_open = True
         marks = StepMarks(step.forward_start, step.forward_end, backward_end, time.perf_counter())
+        levels = self.wire_counter() if self.wire_counter is not None else None
         self.last_stats = step_stats(
-            self.steps, self.world_size, self.buckets, marks, self.collective.sent_bytes()
+            self.steps, self.world_size, self.buckets, marks, self.collective.sent_bytes(), levels
         )
         for action in self.end_of_step:
             action()

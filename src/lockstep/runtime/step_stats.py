@@ -51,11 +51,15 @@ class StepStats:
         forward_seconds: the wrapped module's forward.
         backward_seconds: from the end of forward to the end of autograd's work.
         payload_bytes: gradient bytes handed to the all-reduce (or to the comm hook).
-        wire_bytes: bytes each rank put on the wire (ring figure, or what the hook reported).
+        wire_bytes: bytes each rank put on the wire (ring figure, what the hook reported,
+            or what a collective that counts its sends counted: `wire_levels` summed).
         comm_seconds: sum over buckets of launch-to-done time.
         exposed_seconds: time backward waited for communication after autograd finished.
         buckets: per-bucket records.
         start: perf_counter() at the start of the step's forward (the records' origin).
+        wire_levels: bytes per level of a collective that counts its sends, e.g. HSDP's
+            ("reduce_scatter", ...) inside the shard group and ("replica_all_reduce", ...)
+            across groups; empty otherwise.
     """
 
     step: int
@@ -68,6 +72,7 @@ class StepStats:
     exposed_seconds: float
     buckets: tuple[BucketRecord, ...] = field(default_factory=tuple)
     start: float = 0.0
+    wire_levels: tuple[tuple[str, int], ...] = ()
 
     @property
     def overlap(self) -> float:
@@ -101,11 +106,13 @@ def step_stats(
     buckets: Sequence[Bucket],
     marks: StepMarks,
     sent_bytes: int | None,
+    wire_levels: dict[str, int] | None = None,
 ) -> StepStats:
     """Assemble a step's figures from its buckets' stamps.
 
     Args:
         sent_bytes: what a comm hook handed to collectives; None means the buffers.
+        wire_levels: bytes a collective counted as sent, per level; None: the ring figure.
     """
     records = tuple(
         BucketRecord(
@@ -119,15 +126,19 @@ def step_stats(
         for b in buckets
     )
     payload = sum(b.nbytes for b in buckets)
+    wire = ring_wire_bytes(payload if sent_bytes is None else sent_bytes, world_size)
+    if wire_levels is not None:
+        wire = sum(wire_levels.values())
     return StepStats(
         step=step,
         world_size=world_size,
         forward_seconds=marks.forward_end - marks.start,
         backward_seconds=marks.backward_end - marks.forward_end,
         payload_bytes=payload,
-        wire_bytes=ring_wire_bytes(payload if sent_bytes is None else sent_bytes, world_size),
+        wire_bytes=wire,
         comm_seconds=sum(r.comm_seconds for r in records),
         exposed_seconds=marks.finalize_end - marks.backward_end,
         buckets=records,
         start=marks.start,
+        wire_levels=tuple((wire_levels or {}).items()),
     )

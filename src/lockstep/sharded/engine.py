@@ -35,9 +35,10 @@ from lockstep.sharded.arguments import check_arguments
 from lockstep.sharded.clip import clip_grad_norm_
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
+from lockstep.sharded.hybrid import grad_collective
+from lockstep.sharded.mesh import build_mesh, resolve_shard_size
 from lockstep.sharded.modes import resolve_modes
 from lockstep.sharded.precision import cast_inputs, cast_output, flat_dtypes, unit_input_hook
-from lockstep.sharded.reduce_scatter import make_collective
 from lockstep.sharded.reshard import ReshardRule
 from lockstep.sharded.sync import GradSync
 from lockstep.sharded.timeline import Timeline
@@ -61,6 +62,10 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         mp_policy: FSDP2's mixed precision (`lockstep.MixedPrecisionPolicy` or torch's).
         reshard_after_forward: stage 3: free a unit after forward (True), keep it gathered
             until its backward (False), per unit by class, name or callable (`reshard.py`).
+        hybrid: stages 2 and 3: HSDP, shard within groups of `shard_group_size` ranks,
+            replicate across them (`sharded/mesh.py`, `sharded/hybrid.py`).
+        shard_group_size: with hybrid, ranks per shard group; a node's (LOCAL_WORLD_SIZE)
+            when None.
 
     Raises:
         ValueError: on every rank, for a stage outside 1..3, a wrap class that matches
@@ -82,6 +87,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         nonfinite: str = "raise",
         mp_policy: Any = None,
         reshard_after_forward: ReshardRule = True,
+        hybrid: bool = False,
+        shard_group_size: int | None = None,
     ) -> None:
         super().__init__()
         refuse_wrapped_inside(module, "lockstep.ShardedDataParallel")
@@ -89,11 +96,13 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self.ctx: DistContext = group_context(process_group, "ShardedDataParallel")
         setting = {"stage": stage, "wrap": [w.__name__ for w in wrap or []], "cap": bucket_cap_mb}
         setting["nonfinite"] = NonFinite.parse(nonfinite).value  # every rank ends such a step alike
-        modes = resolve_modes(
-            module, stage, wrap, mp_policy, reshard_after_forward, self.ctx.world_size
-        )
+        size = resolve_shard_size(hybrid, shard_group_size, self.ctx)
+        setting.update(hybrid=hybrid, shard_group_size=size)
+        shard_size = size if hybrid and size else self.ctx.world_size  # reshard's "True"
+        modes = resolve_modes(module, stage, wrap, mp_policy, reshard_after_forward, shard_size)
         check_arguments(module, {**setting, **modes.setting()}, wrap, process_group, modes.problem)
         self.mp_policy, self._kept = modes.policy, set(modes.kept)
+        self.mesh = build_mesh(process_group, self.ctx, stage, hybrid, size)
         self.module, self.stage, self.process_group = module, stage, process_group
         self.require_backward_grad_sync = True
         self._params_stale = False
@@ -132,9 +141,9 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
                     len(flats),
                     spec.name,
                     group,
-                    self.ctx.rank,
-                    self.ctx.world_size,
-                    self.process_group,
+                    self.mesh.shard_rank,
+                    self.mesh.shard_size,
+                    self.mesh.shard_group,
                     keep_full=self.stage < 3,
                     dtypes=flat_dtypes(self.mp_policy, key[0]),
                 )
@@ -157,8 +166,9 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
 
     def _build_sync(self, check_data_passes: bool, nonfinite: str) -> GradSync:
         ctx = self.ctx
-        collective = make_collective(
-            self.stage, self.process_group, ctx.world_size, ctx.local_world_size
+        device = self.flats[0].full.device
+        collective = grad_collective(
+            self.stage, self.mesh, ctx.world_size, ctx.local_world_size, device
         )
         trainable = [flat for flat in self.flats if flat.trainable]
         if self.stage == 3:  # the last unit's gradient is ready first
@@ -179,6 +189,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         )
         sync.driver.collective = self.nonfinite.wrap(collective)  # buckets laid out unwrapped
         sync.driver.end_of_step.append(self.nonfinite.end_step)
+        sync.driver.wire_counter = getattr(collective, "take_wire_bytes", None)
         return sync
 
     # ---------------------------------------------------------------- forward
@@ -247,7 +258,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the global norm over every rank's shards."""
         return clip_grad_norm_(
-            [flat.shard for flat in self.flats], max_norm, norm_type, self.process_group
+            [flat.shard for flat in self.flats], max_norm, norm_type, self.mesh.shard_group
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -271,7 +282,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
                 f"ShardedDataParallel.load_state_dict expected the plain module's keys; "
                 f"missing {missing[:6]}, unexpected {unexpected[:6]} (rank {self.ctx.rank})"
             )
-        sharded_state.load_flats(self.flats, state, self.ctx.rank)
+        sharded_state.load_flats(self.flats, state, self.mesh.shard_rank)
         entries = sharded_state.flat_entries(self.flats)
         rest = {k: v for k, v in state.items() if k not in entries}
         return self.module.load_state_dict(rest, strict=False)
@@ -285,7 +296,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
     ) -> None:
         """Load a per-parameter optimizer state (ours, or a plain/DDP one), at any world size."""
         optim_state.load_optimizer_state(
-            optimizer, self.flats, self._plain_index, saved, self.ctx.rank
+            optimizer, self.flats, self._plain_index, saved, self.mesh.shard_rank
         )
 
 

@@ -47,11 +47,21 @@ class ShardBucket(Bucket):
 
 
 class ReduceScatterMean:
-    """Gradients averaged by the engine, then one SUM reduce-scatter per bucket."""
+    """Gradients averaged by the engine, then one SUM reduce-scatter per bucket.
+
+    The backend's own call: where it is a ring (NCCL) each rank sends (N-1)/N of
+    the bucket; gloo's is an all-reduce, 2(N-1)/N (on CPU tensors lockstep's ring
+    replaces it: `sharded/hybrid.py`). The figure reported is what was sent.
+    """
+
+    scatters = True  # each rank keeps its shard of the result (`ShardBucket.shard_grad`)
 
     def __init__(self, process_group: dist.ProcessGroup | None, world_size: int) -> None:
         self.process_group = process_group
         self.world_size = world_size
+        self.sent = 0
+        gloo = dist.is_initialized() and dist.get_backend(process_group) == "gloo"
+        self.factor = 2 if gloo else 1
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
         return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None
@@ -59,6 +69,7 @@ class ReduceScatterMean:
     def launch(self, bucket: Bucket, is_last: bool) -> CollectiveHandle:
         assert isinstance(bucket, ShardBucket) and bucket.shard_grad is not None
         bucket.divide_found_in_place()
+        self.sent += self.factor * (self.world_size - 1) * bucket.shard_grad.nbytes
         work = reduce_scatter_single(
             bucket.shard_grad, bucket.buffer, group=self.process_group, async_op=True
         )
@@ -66,6 +77,11 @@ class ReduceScatterMean:
 
     def sent_bytes(self) -> int | None:
         return None
+
+    def take_wire_bytes(self) -> dict[str, int]:
+        """Bytes sent since the last call (the driver calls it each step)."""
+        sent, self.sent = self.sent, 0
+        return {"reduce_scatter": sent}
 
 
 def make_collective(
@@ -80,7 +96,7 @@ def make_collective(
 def shard_bucket(position: int, flat: FlatParam, collective: BucketCollective) -> ShardBucket:
     """The bucket of `flat`, at `position` in launch order; empty until `fill_bucket`."""
     averaging = collective.averaging(flat.dtypes.reduce)
-    scatters = isinstance(collective, ReduceScatterMean)
+    scatters = getattr(collective, "scatters", False)
     nbytes = flat.layout.padded_numel * flat.dtypes.reduce.itemsize  # what the collective sends
     return ShardBucket(
         position, [flat.shard], [flat.index], _EMPTY, [], averaging,
