@@ -24,24 +24,34 @@ from lockstep.testing import run_ranks
 CAPS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}
 
 
-def _torch_hsdp(model: torch.nn.Module) -> torch.nn.Module:
+def _policy(engine: str) -> dict:
+    """`*_bf16` engines: bf16 compute, fp32 reduce (torch's policy class serves both)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not engine.endswith("_bf16"):
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+
+
+def _torch_hsdp(model: torch.nn.Module, policy: dict) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    return fully_shard(model, mesh=mesh, **policy)
 
 
 def _wrap(engine: str, name: str) -> torch.nn.Module:
-    model = build(name)
+    model, policy = build(name), _policy(engine)
+    engine = engine.removesuffix("_bf16")
     if engine == "torch":
-        return _torch_hsdp(model)
+        return _torch_hsdp(model, policy)
     stage = int(engine[-1])
     hybrid = {"hybrid": True, "shard_group_size": 2} if engine.startswith("hsdp") else {}
     wrap = [Block] if stage == 3 and name == "gpt" else None
-    return lockstep.ShardedDataParallel(model, stage=stage, wrap=wrap, **CAPS, **hybrid)
+    return lockstep.ShardedDataParallel(model, stage=stage, wrap=wrap, **CAPS, **hybrid, **policy)
 
 
 def _train(ctx, engine: str, name: str, optimizer: str) -> dict:
@@ -55,10 +65,10 @@ def _train(ctx, engine: str, name: str, optimizer: str) -> dict:
         opt.zero_grad()
         losses.append(loss.detach().clone())
     state = model.state_dict()
-    if engine == "torch":
+    if engine.startswith("torch"):
         state = {k: v.full_tensor() for k, v in state.items()}
     out = {"losses": torch.stack(losses), "state": {k: v.clone() for k, v in state.items()}}
-    if engine != "torch":
+    if not engine.startswith("torch"):
         out["levels"] = dict(model.stats.wire_levels)
         out["wire"] = model.stats.wire_bytes
         out["flats"] = [(f.full.numel(), f.shard.numel()) for f in model.flats if f.trainable]
@@ -127,6 +137,8 @@ def _everything(ctx) -> dict:
             out[(name, engine, "adamw")] = _train(ctx, engine, name, "adamw")
         for engine in ("hsdp3", "stage3"):
             out[(name, engine, "sgd")] = _train(ctx, engine, name, "sgd")
+    for engine in ("hsdp2_bf16", "hsdp3_bf16", "torch_bf16"):
+        out[("gpt", engine, "adamw")] = _train(ctx, engine, "gpt", "adamw")
     out["toggle"], out["no_sync"] = _accumulate(ctx, "toggle"), _accumulate(ctx, "no_sync")
     out["resume"] = _resume(ctx)
     out["uneven"] = _uneven_no_sync(ctx)  # last: the mismatch ends the run
@@ -151,6 +163,17 @@ def test_hsdp_matches_torch_hsdp_bitwise(world4, name, engine):
     for rank, results in enumerate(world4):
         ref = results[(name, "torch", "adamw")]
         _equal(results[(name, engine, "adamw")], ref, f"{name} {engine} rank {rank}")
+
+
+@pytest.mark.parametrize("engine", ["hsdp2_bf16", "hsdp3_bf16"])
+def test_hsdp_with_a_bf16_policy_matches_torch_hsdp_with_it_bitwise(world4, engine):
+    """bf16 compute, fp32 reduce: the policy's casts with HSDP's two-level reduce."""
+    for rank, results in enumerate(world4):
+        ours, ref = results[("gpt", engine, "adamw")], results[("gpt", "torch_bf16", "adamw")]
+        _equal(ours, ref, f"gpt {engine} rank {rank}")
+        plain = results[("gpt", engine.removesuffix("_bf16"), "adamw")]
+        assert not torch.equal(ours["losses"], plain["losses"])  # the policy changed the run
+        assert ours["levels"] == plain["levels"]  # fp32 reduce: the same bytes as fp32
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
