@@ -51,10 +51,21 @@ class Checkpointer:
         timeout_s: how long the other ranks wait for rank 0 to write or find a
             checkpoint; LOCKSTEP_TIMEOUT_S (default 5 minutes) when None.
         process_group: the data-parallel group; the default group when None.
+        format: "lockstep" (one file, written by rank 0) or "dcp" (torch's distributed
+            checkpoint: each rank writes its part, FSDP2 reads it; `dcp_checkpointer.py`).
 
     Attributes:
         extra: after `restore()`, the `extra` that was saved with the checkpoint.
     """
+
+    def __new__(cls, *args: Any, format: str = "lockstep", **kwargs: Any) -> Checkpointer:
+        if format not in ("lockstep", "dcp"):
+            raise ValueError(f'format must be "lockstep" or "dcp"; found {format!r}')
+        if format == "dcp" and cls is Checkpointer:
+            from lockstep.checkpoint.dcp_checkpointer import DcpCheckpointer
+
+            cls = DcpCheckpointer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -63,6 +74,7 @@ class Checkpointer:
         keep: int = 3,
         timeout_s: float | None = None,
         process_group: dist.ProcessGroup | None = None,
+        format: str = "lockstep",
     ) -> None:
         self.directory = Path(directory)
         self.files = CheckpointFiles(self.directory, keep)

@@ -55,8 +55,15 @@ def save(
     Writes straight into `path` (DCP's `.metadata` goes last); for a checkpoint that is
     complete or absent, use `Checkpointer(directory, format="dcp")`.
     """
+    write(path, state_to_save(model, optimizer), process_group)
+
+
+def write(
+    path: str | os.PathLike[str], state: dict[str, Any], process_group: dist.ProcessGroup | None
+) -> None:
+    """Write a state from `state_to_save` into `path` (one data file per rank)."""
     torch_dcp.save(
-        state_to_save(model, optimizer),
+        state,
         storage_writer=FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
         planner=PieceSavePlanner(),
         process_group=process_group,

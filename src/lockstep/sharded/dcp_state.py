@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lockstep.sharded.dcp_pieces import FlatPiece, piece_of
+from lockstep.sharded.dcp_pieces import piece_of
 from lockstep.sharded.engine import ShardedDataParallel
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.state import flat_entries, gather_flat

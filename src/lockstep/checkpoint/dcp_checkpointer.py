@@ -1,0 +1,200 @@
+"""`Checkpointer(directory, format="dcp")`: every rank writes its part through torch's DCP.
+
+A save checks this rank's state for NaN/inf (all ranks agree before anything is
+written), writes DCP's layout into a temporary folder (`checkpoint/dcp.py`: each
+rank only what it owns), gathers every rank's random state and its file's CRC32
+on rank 0, which commits (`dcp_files.py`). A restore tries the committed folder,
+then older ones: every rank checks its share of the files, the ranks agree on
+the first good folder, and each reads its own part, at any world size. A folder
+that torch wrote (`fully_shard` + `dcp.save`) restores too, model and optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.checkpoint import dcp, rng
+from lockstep.checkpoint.checkpointer import Checkpointer
+from lockstep.checkpoint.dcp_files import DcpFiles, file_crc, problems, read_manifest
+from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION
+from lockstep.checkpoint.finite import first_nonfinite
+from lockstep.checkpoint.state import check_plain, load_component
+from lockstep.errors import CheckpointError
+from lockstep.sharded.dcp_pieces import FlatPiece
+
+
+def _checkable(value: Any) -> Any:
+    """The state with each `FlatPiece` replaced by its tensors (for the non-finite check)."""
+    if isinstance(value, FlatPiece):
+        return value.views
+    if isinstance(value, dict):
+        return {k: _checkable(v) for k, v in value.items()}
+    return value
+
+
+def _sizes(path: Path) -> dict[str, int]:
+    """Data file -> the bytes DCP's metadata places in it (a lower bound of its size)."""
+    sizes: dict[str, int] = {}
+    for info in dcp.read_metadata(path).storage_data.values():
+        end = info.offset + info.length
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    return sizes
+
+
+class DcpCheckpointer(Checkpointer):
+    """What `Checkpointer(..., format="dcp")` builds; see `Checkpointer` for the arguments."""
+
+    def __init__(self, directory: Any, *, keep: int = 3, **kwargs: Any) -> None:
+        super().__init__(directory, keep=keep, **kwargs)
+        self.files = DcpFiles(self.directory, keep)  # type: ignore[assignment]
+
+    def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+        state = dcp.state_to_save(components["model"], components["optimizer"])
+        self._refuse_nonfinite(step, state)
+        error = self._on_rank0(self.files.prepare, f"prepare {self.directory}")
+        self._wait_for_rank0(f"preparation of checkpoint step {step} in {self.directory}")
+        self._raise(self._from_rank0(error))
+        temp = self.files.temp_for(step)
+        try:
+            dcp.write(temp, state, self._group)
+        except Exception as failure:  # DCP raises a failed write on every rank
+            error = f"writing checkpoint step {step} into {temp} failed: {failure}"
+        self.files.point("data_written")
+        mine = {"rng": rng.capture(), "files": self._my_files(temp), "error": error}
+        gathered = self._gather(mine)
+        if self.rank == 0:
+            error = self._commit(step, components, extra, gathered)
+        self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
+        self._raise(self._from_rank0(error))
+        return self.files.path_for(step)
+
+    def _refuse_nonfinite(self, step: int, state: dict[str, Any]) -> None:
+        found = first_nonfinite(_checkable(state))
+        every = [found]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, found, group=self._group)
+        bad = [(rank, text) for rank, text in enumerate(every) if text is not None]
+        if bad:
+            rank, text = bad[0]
+            raise CheckpointError(
+                f"checkpoint step {step} was not written: {text} on rank {rank}; expected "
+                "finite values. The last committed checkpoint stays the restore point. The "
+                f"run diverged: restore from it (raised on rank {self.rank})"
+            )
+
+    def _my_files(self, temp: Path) -> dict[str, tuple[int, int]]:
+        if not temp.is_dir():
+            return {}
+        return {p.name: file_crc(p) for p in temp.glob(f"__{self.rank}_*.distcp")}
+
+    def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.world_size == 1:
+            return [mine]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, group=self._group, group_dst=0)
+        return gathered or []
+
+    def _commit(
+        self, step: int, components: dict[str, Any], extra: Any, gathered: list[dict[str, Any]]
+    ) -> str | None:
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            return errors[0]
+        files: dict[str, Any] = {}
+        for each in gathered:
+            files.update(each["files"])
+        manifest: dict[str, Any] = {FORMAT_KEY: FORMAT_VERSION, "format": "dcp", "step": step}
+        manifest.update(world_size=self.world_size, files=files, extra=extra)
+        manifest["rng"] = [g["rng"] for g in gathered]
+        for name in ("sampler", "scheduler"):
+            component = components.get(name)
+            manifest[name] = None if component is None else component.state_dict()
+        return self._on_rank0(
+            lambda: (check_plain(manifest, "checkpoint"), self.files.commit(step, manifest)),
+            f"commit checkpoint step {step} in {self.directory}",
+        )
+
+    def _on_rank0(self, action: Any, what: str) -> str | None:
+        if self.rank != 0:
+            return None
+        try:
+            action()
+        except CheckpointError as error:
+            return f"rank 0 could not {what}: {error}"
+        except Exception as error:  # reported on every rank rather than hanging the others
+            return (
+                f"rank 0 could not {what}: {type(error).__name__}: {error}. Earlier "
+                "checkpoints are untouched; check the directory's permissions and free space."
+            )
+        return None
+
+    def _raise(self, error: str | None) -> None:
+        if error is not None:
+            raise CheckpointError(f"{error} (raised on rank {self.rank})")
+
+    def restore(
+        self, *, model: Any, optimizer: Any = None, sampler: Any = None, scheduler: Any = None
+    ) -> int | None:
+        """As `Checkpointer.restore`, from DCP folders (lockstep's or torch's)."""
+        steps: list[int] = []
+        if self.rank == 0:
+            steps, notes = self.files.candidates()
+            for note in notes:
+                warnings.warn(f"Checkpointer.restore: {note}", stacklevel=2)
+        self._wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
+        steps = self._from_rank0(steps)
+        found: list[str] = []
+        for step in steps:
+            path = self.files.path_for(step)
+            bad = self._agreed_problems(path)
+            if bad:
+                found += bad
+                continue
+            if found and self.rank == 0:
+                warnings.warn(f"Checkpointer.restore: skipped {'; '.join(found)}", stacklevel=2)
+            components = {"sampler": sampler, "scheduler": scheduler}
+            return self._load(path, step, model, optimizer, components)
+        if found:
+            raise CheckpointError(
+                f"no valid checkpoint in {self.directory}: " + "; ".join(found) + ". Repair or "
+                "remove these folders (and latest) to start from scratch, or use another "
+                f"directory. (raised on rank {self.rank})"
+            )
+        return None
+
+    def _agreed_problems(self, path: Path) -> list[str]:
+        try:
+            mine = problems(path, _sizes(path), self.rank, self.world_size)
+        except CheckpointError as error:
+            mine = [str(error)]
+        every = [mine]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=self._group)
+        return list(dict.fromkeys(text for each in every for text in each))
+
+    def _load(
+        self, path: Path, step: int, model: Any, optimizer: Any, components: dict[str, Any]
+    ) -> int:
+        manifest: dict[str, Any] = {}
+        error = None
+        try:
+            manifest = read_manifest(path) or {"step": step}
+            dcp.load(path, model=model, optimizer=optimizer, process_group=self._group)
+            for name, component in components.items():
+                if component is not None:
+                    load_component(component, manifest.get(name), name, str(path))
+        except CheckpointError as failure:
+            error = str(failure)
+        except Exception as failure:  # reported on every rank rather than hanging the others
+            error = f"loading {path} failed: {type(failure).__name__}: {failure}"
+        self._raise_if_any(error)
+        self.extra = manifest.get("extra")
+        if "rng" in manifest:
+            self._restore_rng(path, manifest)
+        return int(manifest["step"])
