@@ -82,7 +82,9 @@ def save(engine: str, model: nn.Module, opt, directory: str) -> str:
         path = f"{directory}/step_{STEP:08d}"
         fsdp2_save(model, opt, path)
         return path
-    return str(lockstep.Checkpointer(directory, format="dcp").save(STEP, model=model, optimizer=opt))
+    return str(
+        lockstep.Checkpointer(directory, format="dcp").save(STEP, model=model, optimizer=opt)
+    )
 
 
 def load(engine: str, model: nn.Module, opt, directory: str) -> int | None:
