@@ -68,10 +68,7 @@ def _full_state(engine: str, model: nn.Module, opt) -> dict:
         model_sd, optim_sd = get_state_dict(model, opt, options=options)
         return {"model": model_sd, "optimizer": optim_sd["state"]}
     names = [n for n, _ in TinyGPT(width=10).named_parameters()]
-    if engine == "ddp":
-        saved = opt.state_dict()
-    else:
-        saved = model.optimizer_state_dict(opt)
+    saved = opt.state_dict() if engine == "ddp" else model.optimizer_state_dict(opt)
     optimizer = {names[i]: entry for i, entry in saved["state"].items()}
     return {"model": model.state_dict(), "optimizer": optimizer}
 

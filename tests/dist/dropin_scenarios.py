@@ -48,9 +48,7 @@ def built(cls: type[nn.Module], perturb_rank: int | None = None) -> nn.Module:
 def result(model: nn.Module, **extra) -> dict:
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "grads": {
-            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
-        },
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
         "buffers": {n: b.clone() for n, b in model.named_buffers()},
         **extra,
     }
@@ -495,10 +493,7 @@ def run_all(ctx, names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        for engine, cls in [
-            ("lockstep", lockstep.DistributedDataParallel),
-            ("torch", nn.parallel.DistributedDataParallel),
-        ]:
+        for engine, cls in [("lockstep", lockstep.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)]:
             torch.distributed.barrier()
             try:
                 out[(name, engine)] = {**SCENARIOS, **CONTROLS}[name](cls, ctx)

@@ -69,9 +69,7 @@ def test_toggling_the_attribute_synchronises_once_per_step(runs):
 def test_create_graph_warns_once(runs):
     _, per_rank = runs
     for results in per_rank:
-        said = [
-            results[(n, "lockstep")]["warnings"] for n in ("create_graph", "create_graph_views")
-        ]
+        said = [results[(n, "lockstep")]["warnings"] for n in ("create_graph", "create_graph_views")]
         assert sorted(said) == [0, 1]  # the first scenario in the process sees it, once
 
 

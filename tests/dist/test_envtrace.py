@@ -79,3 +79,4 @@ def test_env_tracer_off_on_takeover_and_monitor_off(tmp_path):
         assert any(f"trace_rank{rank}.json" in w for w in result["warning"])
         assert result["second"] == {1, 2}  # the second model's own steps replace the first's
         assert result["after_off"] == {1, 2}  # Monitor(trace=False): its steps were not written
+
