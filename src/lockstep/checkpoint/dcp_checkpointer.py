@@ -15,10 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from lockstep.checkpoint import dcp, rng
-from lockstep.checkpoint.checkpointer import Checkpointer
+from lockstep.checkpoint.coordination import Coordination
 from lockstep.checkpoint.dcp_files import DcpFiles, file_crc, problems, read_manifest
 from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION
 from lockstep.checkpoint.finite import first_nonfinite
@@ -45,39 +43,44 @@ def _sizes(path: Path) -> dict[str, int]:
     return sizes
 
 
-class DcpCheckpointer(Checkpointer):
-    """What `Checkpointer(..., format="dcp")` builds; see `Checkpointer` for the arguments."""
+class DcpFormat:
+    """`Checkpointer(directory, format="dcp")`'s save and restore.
 
-    def __init__(self, directory: Any, *, keep: int = 3, **kwargs: Any) -> None:
-        super().__init__(directory, keep=keep, **kwargs)
-        self.files = DcpFiles(self.directory, keep)  # type: ignore[assignment]
+    Args:
+        directory: the checkpoint directory (shared by every rank).
+        keep: how many committed checkpoints to keep.
+        ranks: the checkpointer's messages between ranks.
+    """
 
-    def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+    def __init__(self, directory: Path, keep: int, ranks: Coordination) -> None:
+        self.directory, self.ranks = directory, ranks
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.files = DcpFiles(directory, keep)
+        self.extra: Any = None
+
+    def save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+        """Every rank writes its part, rank 0 commits; raises on every rank on failure."""
         state = dcp.state_to_save(components["model"], components["optimizer"])
         self._refuse_nonfinite(step, state)
         error = self._on_rank0(self.files.prepare, f"prepare {self.directory}")
-        self._wait_for_rank0(f"preparation of checkpoint step {step} in {self.directory}")
-        self._raise(self._from_rank0(error))
+        self.ranks.wait_for_rank0(f"preparation of checkpoint step {step} in {self.directory}")
+        self._raise(self.ranks.from_rank0(error))
         temp = self.files.temp_for(step)
         try:
-            dcp.write(temp, state, self._group)
+            dcp.write(temp, state, self.ranks.group)
         except Exception as failure:  # DCP raises a failed write on every rank
             error = f"writing checkpoint step {step} into {temp} failed: {failure}"
         self.files.point("data_written")
         mine = {"rng": rng.capture(), "files": self._my_files(temp), "error": error}
-        gathered = self._gather(mine)
+        gathered = self.ranks.to_rank0(mine)
         if self.rank == 0:
             error = self._commit(step, components, extra, gathered)
-        self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
-        self._raise(self._from_rank0(error))
+        self.ranks.wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
+        self._raise(self.ranks.from_rank0(error))
         return self.files.path_for(step)
 
     def _refuse_nonfinite(self, step: int, state: dict[str, Any]) -> None:
-        found = first_nonfinite(_checkable(state))
-        every = [found]
-        if self.world_size > 1:
-            every = [None] * self.world_size
-            dist.all_gather_object(every, found, group=self._group)
+        every = self.ranks.everyone(first_nonfinite(_checkable(state)))
         bad = [(rank, text) for rank, text in enumerate(every) if text is not None]
         if bad:
             rank, text = bad[0]
@@ -91,13 +94,6 @@ class DcpCheckpointer(Checkpointer):
         if not temp.is_dir():
             return {}
         return {p.name: file_crc(p) for p in temp.glob(f"__{self.rank}_*.distcp")}
-
-    def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        if self.world_size == 1:
-            return [mine]
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, group=self._group, group_dst=0)
-        return gathered or []
 
     def _commit(
         self, step: int, components: dict[str, Any], extra: Any, gathered: list[dict[str, Any]]
@@ -137,17 +133,20 @@ class DcpCheckpointer(Checkpointer):
         if error is not None:
             raise CheckpointError(f"{error} (raised on rank {self.rank})")
 
-    def restore(
-        self, *, model: Any, optimizer: Any = None, sampler: Any = None, scheduler: Any = None
-    ) -> int | None:
-        """As `Checkpointer.restore`, from DCP folders (lockstep's or torch's)."""
+    def restore(self, model: Any, components: dict[str, Any]) -> int | None:
+        """As `Checkpointer.restore`, from DCP folders (lockstep's or torch's).
+
+        Args:
+            model: the model to load into.
+            components: "optimizer", "sampler", "scheduler": each None or the object.
+        """
         steps: list[int] = []
         if self.rank == 0:
             steps, notes = self.files.candidates()
             for note in notes:
                 warnings.warn(f"Checkpointer.restore: {note}", stacklevel=2)
-        self._wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
-        steps = self._from_rank0(steps)
+        self.ranks.wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
+        steps = self.ranks.from_rank0(steps)
         found: list[str] = []
         for step in steps:
             path = self.files.path_for(step)
@@ -157,8 +156,7 @@ class DcpCheckpointer(Checkpointer):
                 continue
             if found and self.rank == 0:
                 warnings.warn(f"Checkpointer.restore: skipped {'; '.join(found)}", stacklevel=2)
-            components = {"sampler": sampler, "scheduler": scheduler}
-            return self._load(path, step, model, optimizer, components)
+            return self._load(path, step, model, dict(components))
         if found:
             raise CheckpointError(
                 f"no valid checkpoint in {self.directory}: " + "; ".join(found) + ". Repair or "
@@ -172,20 +170,16 @@ class DcpCheckpointer(Checkpointer):
             mine = problems(path, _sizes(path), self.rank, self.world_size)
         except CheckpointError as error:
             mine = [str(error)]
-        every = [mine]
-        if self.world_size > 1:
-            every = [None] * self.world_size
-            dist.all_gather_object(every, mine, group=self._group)
+        every = self.ranks.everyone(mine)
         return list(dict.fromkeys(text for each in every for text in each))
 
-    def _load(
-        self, path: Path, step: int, model: Any, optimizer: Any, components: dict[str, Any]
-    ) -> int:
+    def _load(self, path: Path, step: int, model: Any, components: dict[str, Any]) -> int:
         manifest: dict[str, Any] = {}
         error = None
         try:
             manifest = read_manifest(path) or {"step": step}
-            dcp.load(path, model=model, optimizer=optimizer, process_group=self._group)
+            optimizer = components.pop("optimizer")
+            dcp.load(path, model=model, optimizer=optimizer, process_group=self.ranks.group)
             for name, component in components.items():
                 if component is not None:
                     load_component(component, manifest.get(name), name, str(path))
@@ -193,8 +187,9 @@ class DcpCheckpointer(Checkpointer):
             error = str(failure)
         except Exception as failure:  # reported on every rank rather than hanging the others
             error = f"loading {path} failed: {type(failure).__name__}: {failure}"
-        self._raise_if_any(error)
+        self.ranks.raise_if_any(error)
         self.extra = manifest.get("extra")
         if "rng" in manifest:
-            self._restore_rng(path, manifest)
+            saved = int(manifest["world_size"])
+            rng.restore_rank(manifest["rng"], saved, self.rank, self.world_size, str(path))
         return int(manifest["step"])
