@@ -69,6 +69,7 @@ def test_lockstep_writes_only_its_own_pieces_in_rectangles(world2):
 
 def _reshard(ctx, root: str) -> dict:
     pairs = [("fsdp2", "stage3"), ("stage3", "fsdp2"), ("stage2", "stage3"), ("stage3", "stage2")]
+    pairs.append(("fsdp2", "stage1"))
     return {(w, r): read(ctx, r, f"{root}/{w}", False) for w, r in pairs}
 
 
