@@ -8,7 +8,7 @@
 | `rng.py` | generator states as plain data, per rank |
 | `coordination.py` | the ranks' timed barrier, rank 0's answer, errors raised on every rank |
 | `dcp.py` | model and optimizer through torch's DCP, in FSDP2's keys (`format="dcp"`) |
-| `dcp_checkpointer.py` | `format="dcp"`: every rank writes its part, rank 0 commits; checked restore |
+| `dcp_checkpointer.py` | `format="dcp"`: each rank writes its part, rank 0 commits |
 | `dcp_files.py` | DCP folders: commit by rename, `latest`, the manifest's CRC32s, file checks |
 """
 
