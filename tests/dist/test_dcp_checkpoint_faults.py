@@ -132,3 +132,26 @@ def test_a_nan_on_one_rank_is_never_committed(tmp_path):
         assert "not written" in message and "NaN on rank 1" in message, message
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
     assert not (tmp_path / "step_00000002").exists()
+
+
+def _extras(ctx, directory: str, save: bool) -> dict:
+    model = _model(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    checkpointer = lockstep.Checkpointer(directory, format="dcp")
+    if save:
+        scheduler.step()
+        torch.manual_seed(10 + ctx.rank)
+        checkpointer.save(4, model=model, optimizer=opt, scheduler=scheduler, extra={"k": 7})
+        return {"draw": torch.rand(3)}
+    torch.manual_seed(99)
+    step = checkpointer.restore(model=model, optimizer=opt, scheduler=scheduler)
+    lr = opt.param_groups[0]["lr"]
+    return {"step": step, "extra": checkpointer.extra, "lr": lr, "draw": torch.rand(3)}
+
+
+def test_scheduler_extra_and_each_ranks_random_state_come_back(tmp_path):
+    saved = run_ranks(_extras, 2, str(tmp_path), True)
+    for rank, out in enumerate(run_ranks(_extras, 2, str(tmp_path), False)):
+        assert (out["step"], out["extra"], out["lr"]) == (4, {"k": 7}, 0.25)
+        assert torch.equal(out["draw"], saved[rank]["draw"]), f"rank {rank}'s generator"

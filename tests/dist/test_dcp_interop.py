@@ -10,12 +10,16 @@ layout) the loaded model and optimizer state must be exactly what was saved.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from dcp_cases import read, write
 from torch.distributed.checkpoint import FileSystemReader
 
 from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # four runs written and six resumed: 10-30 s on a busy machine
 
 WRITERS = ("fsdp2", "stage3", "stage2", "ddp")
 RESUMES = [("fsdp2", "stage3"), ("fsdp2", "stage2"), ("stage3", "fsdp2"), ("stage2", "fsdp2")]
@@ -65,6 +69,8 @@ def test_lockstep_writes_only_its_own_pieces_in_rectangles(world2):
     assert sum(c.sizes[0] * c.sizes[1] for c in chunks) == 40 * 10
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
+    sizes = [(Path(root) / "stage3/step_00000002" / name).stat().st_size for name in sorted(files)]
+    assert max(sizes) < 0.6 * sum(sizes), sizes  # each rank wrote its half, nobody the whole
 
 
 def _reshard(ctx, root: str) -> dict:
