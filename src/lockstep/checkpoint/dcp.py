@@ -13,6 +13,9 @@ Called on every rank. `Checkpointer(format="dcp")` adds atomic commits and check
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -62,12 +65,21 @@ def write(
     path: str | os.PathLike[str], state: dict[str, Any], process_group: dist.ProcessGroup | None
 ) -> None:
     """Write a state from `state_to_save` into `path` (one data file per rank)."""
-    torch_dcp.save(
-        state,
-        storage_writer=FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
-        planner=PieceSavePlanner(),
-        process_group=process_group,
-    )
+    with _quiet():
+        torch_dcp.save(
+            state,
+            storage_writer=FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
+            planner=PieceSavePlanner(),
+            process_group=process_group,
+        )
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Without torch.distributed (one process) DCP works alone and says so each time."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
@@ -178,12 +190,13 @@ def _load_sharded(
     if optimizer is not None:
         optim_targets, plan = dcp_state.optimizer_targets(model, optimizer, metadata)
         targets.update(optim_targets)
-    torch_dcp.load(
-        targets,
-        storage_reader=FileSystemReader(path),
-        planner=PieceLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        process_group=process_group,
-    )
+    with _quiet():
+        torch_dcp.load(
+            targets,
+            storage_reader=FileSystemReader(path),
+            planner=PieceLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            process_group=process_group,
+        )
     dcp_state.after_model_load(model)
     if optimizer is not None:
         dcp_state.apply_optimizer(model, optimizer, targets, plan)
@@ -195,7 +208,9 @@ def _load_replicated(
     """DDP or a plain module: torch's own state-dict functions, every rank reads it all."""
     module = unwrap(model)
     state = state_to_save(module, optimizer)
-    torch_dcp.load(state, storage_reader=FileSystemReader(path), process_group=process_group)
+    reader = FileSystemReader(path)
+    with _quiet():
+        torch_dcp.load(state, storage_reader=reader, process_group=process_group)
     optimizers = () if optimizer is None else (optimizer,)
     set_state_dict(
         module,
