@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -76,10 +77,19 @@ def write(
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Without torch.distributed (one process) DCP works alone and says so each time."""
+    """DCP's failures as a `CheckpointError` naming each rank's cause (DCP raises a
+    BaseException, the same on every rank); and no warning in one process without
+    torch.distributed, where DCP works alone and says so each time."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as error:
+            causes = "; ".join(
+                f"rank {rank}: {type(exc).__name__}: {exc}"
+                for rank, (exc, _) in sorted(error.failures.items())
+            )
+            raise CheckpointError(f"torch.distributed.checkpoint failed on {causes}") from None
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:

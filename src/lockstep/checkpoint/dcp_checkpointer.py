@@ -11,6 +11,7 @@ that torch wrote (`fully_shard` + `dcp.save`) restores too, model and optimizer.
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lockstep.checkpoint.dcp_files import DcpFiles, file_crc, problems, read_man
 from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION
 from lockstep.checkpoint.finite import first_nonfinite
 from lockstep.checkpoint.state import check_plain, load_component
+from lockstep.checkpoint.write_error import os_cause
 from lockstep.errors import CheckpointError
 from lockstep.sharded.dcp_pieces import FlatPiece
 
@@ -69,12 +71,17 @@ class DcpFormat:
         try:
             dcp.write(temp, state, self.ranks.group)
         except Exception as failure:  # DCP raises a failed write on every rank
-            error = f"writing checkpoint step {step} into {temp} failed: {failure}"
+            error = (
+                f"writing checkpoint step {step} into {temp} failed: {failure}. The last "
+                "committed checkpoint stays the restore point; free space there, keep fewer "
+                "checkpoints (keep=), or choose another directory."
+            )
         self.files.point("data_written")
         mine = {"rng": rng.capture(), "files": self._my_files(temp), "error": error}
         gathered = self.ranks.to_rank0(mine)
         if self.rank == 0:
-            error = self._commit(step, components, extra, gathered)
+            what = f"commit checkpoint step {step} in {self.directory}"
+            error = self._on_rank0(lambda: self._commit(step, components, extra, gathered), what)
         self.ranks.wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
         self._raise(self.ranks.from_rank0(error))
         return self.files.path_for(step)
@@ -99,7 +106,8 @@ class DcpFormat:
         self, step: int, components: dict[str, Any], extra: Any, gathered: list[dict[str, Any]]
     ) -> str | None:
         errors = [g["error"] for g in gathered if g["error"]]
-        if errors:
+        if errors:  # every rank is past its write: the partial folder goes at once
+            shutil.rmtree(self.files.temp_for(step), ignore_errors=True)
             return errors[0]
         files: dict[str, Any] = {}
         for each in gathered:
@@ -110,24 +118,25 @@ class DcpFormat:
         for name in ("sampler", "scheduler"):
             component = components.get(name)
             manifest[name] = None if component is None else component.state_dict()
-        return self._on_rank0(
-            lambda: (check_plain(manifest, "checkpoint"), self.files.commit(step, manifest)),
-            f"commit checkpoint step {step} in {self.directory}",
-        )
+        check_plain(manifest, "checkpoint")  # loads with weights_only=True
+        self.files.commit(step, manifest)
+        return None
 
     def _on_rank0(self, action: Any, what: str) -> str | None:
+        """Rank 0 runs `action` (which may return an error); its error as text, or None."""
         if self.rank != 0:
             return None
         try:
-            action()
+            found = action()
         except CheckpointError as error:
             return f"rank 0 could not {what}: {error}"
         except Exception as error:  # reported on every rank rather than hanging the others
+            cause = os_cause(error) or error  # torch's zip writer hides ENOSPC in the context
             return (
-                f"rank 0 could not {what}: {type(error).__name__}: {error}. Earlier "
+                f"rank 0 could not {what}: {type(cause).__name__}: {cause}. Earlier "
                 "checkpoints are untouched; check the directory's permissions and free space."
             )
-        return None
+        return found if isinstance(found, str) else None
 
     def _raise(self, error: str | None) -> None:
         if error is not None:
@@ -170,6 +179,8 @@ class DcpFormat:
             mine = problems(path, _sizes(path), self.rank, self.world_size)
         except CheckpointError as error:
             mine = [str(error)]
+        except Exception as error:  # agreed on by every rank rather than hanging the others
+            mine = [f"{path} cannot be checked on rank {self.rank}: {error}"]
         every = self.ranks.everyone(mine)
         return list(dict.fromkeys(text for each in every for text in each))
 
