@@ -155,3 +155,19 @@ def test_scheduler_extra_and_each_ranks_random_state_come_back(tmp_path):
     for rank, out in enumerate(run_ranks(_extras, 2, str(tmp_path), False)):
         assert (out["step"], out["extra"], out["lr"]) == (4, {"k": 7}, 0.25)
         assert torch.equal(out["draw"], saved[rank]["draw"]), f"rank {rank}'s generator"
+
+
+def _restore_other_model(ctx, directory: str) -> str:
+    model = lockstep.ShardedDataParallel(nn.Linear(5, 4), stage=3)
+    try:
+        lockstep.Checkpointer(directory, format="dcp").restore(model=model)
+    except CheckpointError as error:
+        return str(error)
+    return "restored"
+
+
+def test_a_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
+    run_ranks(_save, 2, str(tmp_path), [1])
+    for message in run_ranks(_restore_other_model, 2, str(tmp_path)):
+        assert "does not fit this model" in message, message
+        assert "weight: checkpoint (3, 5) vs model (4, 5)" in message
