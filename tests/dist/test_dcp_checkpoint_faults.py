@@ -67,16 +67,16 @@ def test_a_crash_at_any_point_of_a_commit_leaves_a_complete_checkpoint(tmp_path,
     with pytest.raises(RankFailure, match="exit code 17"):
         run_ranks(_save, 2, str(tmp_path), [1, 2], point, deadline_s=60)
     committed = point == "pointer_updated"
-    for out in run_ranks(_restore, 2, str(tmp_path)):
+    results = run_ranks(_restore, 2, str(tmp_path))
+    for out in results:
         assert (out["step"], out["value"]) == ((2, 2.0) if committed else (1, 1.0)), out
-    notes = " ".join(run_ranks(_restore, 2, str(tmp_path))[0]["notes"])
+    notes = " ".join(results[0]["notes"])  # rank 0 reports what it passed over
     if point in ("data_written", "manifest_written"):
         assert ".step_00000002.tmp, left by an interrupted save" in notes
     if point in ("renamed", "pointer_written"):
         assert "interrupted before latest named it" in notes
     run_ranks(_save, 2, str(tmp_path), [3], None, 1)  # the next save cleans up the rest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003"]
-    assert run_ranks(_restore, 2, str(tmp_path))[1]["step"] == 3
 
 
 def _damage(path: Path, how: str) -> None:
@@ -88,8 +88,9 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped"])
-@pytest.mark.parametrize("victim", ["__1_0.distcp", "__0_0.distcp"])
+@pytest.mark.parametrize(
+    ("how", "victim"), [("truncated", "__1_0.distcp"), ("flipped", "__0_0.distcp")]
+)
 def test_a_damaged_data_file_is_named_on_every_rank(tmp_path, how, victim):
     run_ranks(_save, 2, str(tmp_path), [1, 2])
     bad = tmp_path / "step_00000002" / victim

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -74,15 +75,18 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
 
 
-def piece_of(flat: FlatParam, i: int, buffer: torch.Tensor, rank: int) -> FlatPiece:
-    """Rank `rank`'s piece of parameter `i` of `flat`, read from a shard-shaped `buffer`.
+def piece_of(flat: FlatParam, i: int, buffer: torch.Tensor) -> FlatPiece:
+    """This rank's piece of parameter `i` of `flat`, read from a shard-shaped `buffer`.
+
+    The rank is the one in the flat's own group (the group its shards are spread
+    over), so ranks that hold the same shard write the same rectangles: DCP keeps one.
 
     Args:
         flat: the flat the parameter lies in.
         i: the parameter's index in the flat.
         buffer: a tensor of the shard's length: the shard itself, or optimizer state.
-        rank: the rank whose shard `buffer` is.
     """
+    rank = dist.get_rank(flat.process_group)
     shape = flat.shapes[i]
     part = next((p for p in flat.layout.pieces(rank) if p.param == i), None)
     if part is None:

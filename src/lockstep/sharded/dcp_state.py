@@ -33,7 +33,7 @@ def model_state(model: ShardedDataParallel) -> dict[str, Any]:
     for key in model.state_dict_keys():
         if key in entries:
             flat, i = entries[key]
-            out[key] = piece_of(flat, i, flat.shard.data, model.ctx.rank)
+            out[key] = piece_of(flat, i, flat.shard.data)
         else:
             out[key] = rest[key]
     return out
@@ -82,16 +82,16 @@ def optimizer_state(model: ShardedDataParallel, optimizer: torch.optim.Optimizer
             for fqn, i in names:
                 fqns.append(fqn)
                 if entry:
-                    state[fqn] = {k: _value(flat, i, v, model.ctx.rank) for k, v in entry.items()}
+                    state[fqn] = {k: _value(flat, i, v) for k, v in entry.items()}
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": sorted(fqns, key=order.__getitem__)})
     return {"state": state, "param_groups": groups}
 
 
-def _value(flat: FlatParam | None, i: int, value: Any, rank: int) -> Any:
+def _value(flat: FlatParam | None, i: int, value: Any) -> Any:
     """Parameter i's part of a state value: a piece of shard-shaped state, else the value."""
     if flat is not None and isinstance(value, torch.Tensor) and value.shape == flat.shard.shape:
-        return piece_of(flat, i, value, rank)
+        return piece_of(flat, i, value)
     return value
 
 
@@ -114,10 +114,10 @@ def _holder(flat: FlatParam | None, shape: torch.Size, md: Any) -> Any:
     return torch.empty(md.size, dtype=dtype)
 
 
-def _target(flat: FlatParam | None, i: int, holder: Any, rank: int) -> Any:
+def _target(flat: FlatParam | None, i: int, holder: Any) -> Any:
     """DCP's target for parameter i's saved value: a piece of a shard-shaped holder, or it."""
     if flat is not None and isinstance(holder, torch.Tensor) and holder.shape == flat.shard.shape:
-        return piece_of(flat, i, holder, rank)
+        return piece_of(flat, i, holder)
     return holder
 
 
@@ -146,7 +146,7 @@ def optimizer_targets(
                     key = f"{OPTIMIZER}.state.{fqn}.{name}"
                     if name not in entry:
                         entry[name] = (key, _holder(flat, shape, md))
-                    targets[key] = _target(flat, i, entry[name][1], model.ctx.rank)
+                    targets[key] = _target(flat, i, entry[name][1])
             plan.append((p, entry))
     for key in metadata.state_dict_metadata:
         if key.startswith(f"{OPTIMIZER}.param_groups."):
