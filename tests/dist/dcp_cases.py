@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import lockstep
+from lockstep.checkpoint import dcp
 
 STEP = 2  # steps before the save; as many again after it
 
@@ -74,10 +75,14 @@ def _full_state(engine: str, model: nn.Module, opt) -> dict:
 
 
 def save(engine: str, model: nn.Module, opt, directory: str) -> str:
-    """Save after STEP steps; returns the DCP folder."""
+    """Save after STEP steps: FSDP2 by hand, DDP with `lockstep.checkpoint.dcp.save` (no
+    commit, no manifest), the sharded engine with `Checkpointer(format="dcp")`."""
+    path = f"{directory}/step_{STEP:08d}"
     if engine == "fsdp2":
-        path = f"{directory}/step_{STEP:08d}"
         fsdp2_save(model, opt, path)
+        return path
+    if engine == "ddp":
+        dcp.save(path, model=model, optimizer=opt)
         return path
     return str(
         lockstep.Checkpointer(directory, format="dcp").save(STEP, model=model, optimizer=opt)
@@ -85,9 +90,12 @@ def save(engine: str, model: nn.Module, opt, directory: str) -> str:
 
 
 def load(engine: str, model: nn.Module, opt, directory: str) -> int | None:
-    """Load the checkpoint of `directory` (lockstep's Checkpointer, or FSDP2 by hand)."""
+    """Load the checkpoint of `directory`, each tool the way `save` wrote it."""
     if engine == "fsdp2":
         fsdp2_load(model, opt, f"{directory}/step_{STEP:08d}")
+        return STEP
+    if engine == "ddp":
+        dcp.load(f"{directory}/step_{STEP:08d}", model=model, optimizer=opt)
         return STEP
     return lockstep.Checkpointer(directory, format="dcp").restore(model=model, optimizer=opt)
 
