@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from lockstep.checkpoint import dcp, rng
 from lockstep.checkpoint.coordination import Coordination
 from lockstep.checkpoint.dcp_files import DcpFiles, file_crc, problems, read_manifest
@@ -45,6 +47,19 @@ def _sizes(path: Path) -> dict[str, int]:
     return sizes
 
 
+def _timed_group(ranks: Coordination) -> dist.ProcessGroup | None:
+    """A gloo group whose collectives give up after the checkpointer's timeout.
+
+    DCP's own gathers and broadcasts run on it, so a rank that is stuck (a slow or
+    full disk) makes the others fail after timeout_s with DCP's error, not hang for
+    the default group's timeout. Created on every rank, with the Checkpointer.
+    """
+    if ranks.world_size == 1:
+        return ranks.group
+    members = None if ranks.group is None else dist.get_process_group_ranks(ranks.group)
+    return dist.new_group(ranks=members, backend="gloo", timeout=ranks.timeout)
+
+
 class DcpFormat:
     """`Checkpointer(directory, format="dcp")`'s save and restore.
 
@@ -58,6 +73,7 @@ class DcpFormat:
         self.directory, self.ranks = directory, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.files = DcpFiles(directory, keep)
+        self.group = _timed_group(ranks)
         self.extra: Any = None
 
     def save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
@@ -69,7 +85,7 @@ class DcpFormat:
         self._raise(self.ranks.from_rank0(error))
         temp = self.files.temp_for(step)
         try:
-            dcp.write(temp, state, self.ranks.group)
+            dcp.write(temp, state, self.group)
         except Exception as failure:  # DCP raises a failed write on every rank
             error = (
                 f"writing checkpoint step {step} into {temp} failed: {failure}. The last "
@@ -190,7 +206,7 @@ class DcpFormat:
         try:
             manifest = read_manifest(path) or {"step": step}
             optimizer = components.pop("optimizer")
-            dcp.load(path, model=model, optimizer=optimizer, process_group=self.ranks.group)
+            dcp.load(path, model=model, optimizer=optimizer, process_group=self.group)
             for name, component in components.items():
                 if component is not None:
                     load_component(component, manifest.get(name), name, str(path))
