@@ -16,6 +16,7 @@ import pytest
 import torch
 from dcp_cases import read, write
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lockstep.testing import run_ranks
 
@@ -86,3 +87,15 @@ def test_another_world_size_loads_exactly_the_saved_state(world2, world):
         for (writer, reader), out in results.items():
             what = f"{reader} at world size {world} from {writer} at 2, rank {rank}"
             _same(first[0][writer]["saved"], out["loaded"], what)
+
+
+def test_torchs_offline_converter_reads_a_lockstep_checkpoint(world2, tmp_path):
+    """torch's `dcp_to_torch_save` (one process, no model) rebuilds the saved state exactly."""
+    root, first = world2
+    for writer in ("stage3", "stage2"):
+        out = tmp_path / f"{writer}.pt"
+        dcp_to_torch_save(f"{root}/{writer}/step_00000002", out)
+        state = torch.load(out, weights_only=False)  # our own file, just written
+        saved = first[0][writer]["saved"]
+        _same(saved["model"], state["model"], f"{writer}: model")
+        _same(saved["optimizer"], state["optimizer"]["state"], f"{writer}: optimizer")
