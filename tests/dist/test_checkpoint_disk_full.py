@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import lockstep
 from lockstep import Checkpointer
 from lockstep.errors import CheckpointError
 from lockstep.testing import run_ranks
@@ -25,9 +26,9 @@ from lockstep.testing import run_ranks
 DISK_BYTES = 64 * 1024
 
 
-def _model(value: float) -> nn.Module:
+def _model(value: float, width: int = 80) -> nn.Module:
     model = nn.Linear(
-        80, 80
+        width, width
     )  # with the random states, about 56 KB a checkpoint: one fits, two do not
     with torch.no_grad():
         model.weight.fill_(value)
@@ -84,3 +85,33 @@ def test_a_full_disk_names_the_cause_removes_the_partial_file_and_keeps_the_last
     (Path(tiny_disk) / "step_00000001.pt").unlink()
     Checkpointer(tiny_disk, keep=1).save(3, model=_model(3.0))
     assert Checkpointer(tiny_disk).restore(model=model) == 3
+
+
+def _fill_the_disk_dcp(ctx, directory):
+    checkpointer = Checkpointer(directory, keep=1, format="dcp")
+    # About 40 KB a checkpoint (the data files, .metadata, the manifest's random states).
+    shards = [lockstep.ShardedDataParallel(_model(v, 40), stage=3) for v in (1.0, 2.0)]
+    checkpointer.save(1, model=shards[0])
+    try:
+        checkpointer.save(2, model=shards[1])
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _restore_dcp(ctx, directory):
+    model = lockstep.ShardedDataParallel(_model(0.0, 40), stage=3)
+    step = Checkpointer(directory, format="dcp").restore(model=model)
+    return step, model.state_dict()["weight"]
+
+
+def test_a_dcp_write_that_fills_the_disk_fails_on_every_rank_and_keeps_the_last(tiny_disk):
+    """format="dcp": every rank writes; the one that cannot makes every rank raise."""
+    messages = run_ranks(_fill_the_disk_dcp, 2, str(tiny_disk))
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank}: the save to a full disk did not fail"
+        assert "writing checkpoint step 2" in message and "No space left on device" in message
+        assert f"(raised on rank {rank})" in message
+    assert sorted(p.name for p in Path(tiny_disk).iterdir()) == ["latest", "step_00000001"]
+    (step, weight), _ = run_ranks(_restore_dcp, 2, str(tiny_disk))
+    assert step == 1 and torch.equal(weight, _model(1.0, 40).weight)

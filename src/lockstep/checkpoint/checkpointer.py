@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.checkpoint import rng
+from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
 from lockstep.checkpoint.sharded import gather_for_save, load_sharded
@@ -29,16 +30,6 @@ from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 from lockstep.runtime import progress
 from lockstep.sharded.engine import ShardedDataParallel
-
-
-def _coordination_group(
-    process_group: dist.ProcessGroup | None, world_size: int
-) -> dist.ProcessGroup | None:
-    """A gloo group for the small CPU messages and the timed barrier (NCCL has neither)."""
-    if world_size == 1 or dist.get_backend(process_group) == "gloo":
-        return process_group
-    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 class Checkpointer:
@@ -51,6 +42,9 @@ class Checkpointer:
         timeout_s: how long the other ranks wait for rank 0 to write or find a
             checkpoint; LOCKSTEP_TIMEOUT_S (default 5 minutes) when None.
         process_group: the data-parallel group; the default group when None.
+        format: "lockstep" (one file, written by rank 0) or "dcp" (torch's distributed
+            checkpoint: every rank writes its own part, torch's FSDP2 reads it;
+            `dcp_checkpointer.py`, docs/checkpoints.md).
 
     Attributes:
         extra: after `restore()`, the `extra` that was saved with the checkpoint.
@@ -63,13 +57,23 @@ class Checkpointer:
         keep: int = 3,
         timeout_s: float | None = None,
         process_group: dist.ProcessGroup | None = None,
+        format: str = "lockstep",
     ) -> None:
+        if format not in ("lockstep", "dcp"):
+            raise ValueError(f'format must be "lockstep" or "dcp"; found {format!r}')
         self.directory = Path(directory)
-        self.files = CheckpointFiles(self.directory, keep)
+        self.files: Any = CheckpointFiles(self.directory, keep)
         self.timeout = read_timeout() if timeout_s is None else timedelta(seconds=timeout_s)
         place = group_context(process_group, "Checkpointer")
         self.rank, self.world_size = place.rank, place.world_size
-        self._group = _coordination_group(process_group, self.world_size)
+        self._group = coordination_group(process_group, self.world_size)
+        self._ranks = Coordination(self.rank, self.world_size, self._group, self.timeout)
+        self._dcp = None
+        if format == "dcp":  # imported here: torch.distributed.checkpoint takes a second
+            from lockstep.checkpoint.dcp_checkpointer import DcpFormat
+
+            self._dcp = DcpFormat(self.directory, keep, self._ranks)
+            self.files = self._dcp.files
         self.extra: Any = None
 
     def save(
@@ -108,6 +112,8 @@ class Checkpointer:
         with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
             components = {"model": model, "optimizer": optimizer}
             components.update(sampler=sampler, scheduler=scheduler)
+            if self._dcp is not None:
+                return self._dcp.save(step, components, extra)
             return self._save(step, components, extra)
 
     def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
@@ -118,8 +124,8 @@ class Checkpointer:
         if self.rank == 0:
             components = {**components, "model": model, "optimizer": optimizer}
             error = self._write(step, components, states, extra)
-        self._wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
-        error = self._from_rank0(error)
+        self._ranks.wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
+        error = self._ranks.from_rank0(error)
         if error is not None:
             raise CheckpointError(f"{error} (raised on rank {self.rank})")
         return self.files.path_for(step)
@@ -170,18 +176,24 @@ class Checkpointer:
             CheckpointError: on every rank, naming the file and the problem (no valid
                 checkpoint although files exist, a checkpoint of another model, ...).
         """
+        if self._dcp is not None:
+            step = self._dcp.restore(
+                model, {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+            )
+            self.extra = self._dcp.extra
+            return step
         device = device_of(model)
         path, payload, error = None, {}, None
         if self.rank == 0:
             path, payload, error = self._find(device)
-        self._wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
-        path, error = self._from_rank0((path, error))
+        self._ranks.wait_for_rank0(f"search for the latest checkpoint in {self.directory}")
+        path, error = self._ranks.from_rank0((path, error))
         if error is not None:
             raise CheckpointError(f"{error} (raised on rank {self.rank})")
         if path is None:
             return None
         components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
-        self._raise_if_any(self._apply(path, payload, device, model, components))
+        self._ranks.raise_if_any(self._apply(path, payload, device, model, components))
         self._restore_rng(path, payload)
         return int(payload["step"])
 
@@ -221,64 +233,8 @@ class Checkpointer:
         return None
 
     def _restore_rng(self, path: Path, payload: dict[str, Any]) -> None:
-        saved_size = int(payload.get("world_size", 0))
-        if saved_size == self.world_size:
-            rng.restore(payload["rng"][self.rank])
-        elif self.rank == 0:
-            warnings.warn(
-                f"Checkpointer.restore: {path} was saved by {saved_size} rank(s) and this run "
-                f"has {self.world_size}: the model, optimizer and data position are restored "
-                "and the samples left in the epoch are re-sharded over the new ranks, but "
-                "per-rank random streams restart from the seed this run set; the run will "
-                "not repeat an uninterrupted one bit for bit.",
-                stacklevel=3,
-            )
+        saved = int(payload.get("world_size", 0))
+        rng.restore_rank(payload["rng"], saved, self.rank, self.world_size, str(path))
 
     def _gather_rng(self) -> list[Any]:
-        mine = rng.capture()
-        if self.world_size == 1:
-            return [mine]
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, group=self._group, group_dst=0)
-        return gathered or []
-
-    def _wait_for_rank0(self, what: str) -> None:
-        """A barrier with this Checkpointer's timeout, whose error says what was awaited."""
-        if self.world_size == 1:
-            return
-        try:
-            # A barrier's own wait is bounded by the group's timeout; this one by ours.
-            dist.barrier(group=self._group, async_op=True).wait(timeout=self.timeout)
-        except RuntimeError as error:
-            seconds = self.timeout.total_seconds()
-            if self.rank != 0:
-                raise CheckpointError(
-                    f"rank {self.rank} timed out after {seconds:.0f} s waiting for rank 0's "
-                    f"{what}; rank 0 may be stuck (slow or full disk) or dead. Read rank 0's "
-                    "log, or give the Checkpointer a longer timeout_s."
-                ) from error
-            raise CheckpointError(
-                f"rank 0 finished its {what} but not every rank reached the barrier after it "
-                f"within {seconds:.0f} s: {error}"
-            ) from error
-
-    def _from_rank0(self, value: Any) -> Any:
-        if self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, group=self._group, group_src=0)
-        return box[0]
-
-    def _raise_if_any(self, error: str | None) -> None:
-        """Exchange every rank's error (or None) and raise the same error on every rank."""
-        errors = [error]
-        if self.world_size > 1:
-            errors = [None] * self.world_size
-            dist.all_gather_object(errors, error, group=self._group)
-        by_text: dict[str, list[int]] = {}
-        for rank, text in enumerate(errors):
-            if text is not None:
-                by_text.setdefault(text, []).append(rank)
-        if by_text:
-            lines = "; ".join(f"on rank(s) {ranks}: {text}" for text, ranks in by_text.items())
-            raise CheckpointError(f"restore failed (raised on rank {self.rank}) {lines}")
+        return self._ranks.to_rank0(rng.capture())

@@ -11,6 +11,7 @@ process's current device is captured, so no rank touches another rank's GPU.
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -64,3 +65,20 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu(), torch.cuda.current_device())
+
+
+def restore_rank(
+    states: list[Any], saved_size: int, rank: int, world_size: int, source: str
+) -> None:
+    """Put back this rank's saved state, or warn (rank 0) when the world size changed."""
+    if saved_size == world_size:
+        restore(states[rank])
+    elif rank == 0:
+        warnings.warn(
+            f"Checkpointer.restore: {source} was saved by {saved_size} rank(s) and this run "
+            f"has {world_size}: the model, optimizer and data position are restored "
+            "and the samples left in the epoch are re-sharded over the new ranks, but "
+            "per-rank random streams restart from the seed this run set; the run will "
+            "not repeat an uninterrupted one bit for bit.",
+            stacklevel=4,
+        )

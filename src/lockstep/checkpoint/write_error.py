@@ -32,7 +32,7 @@ class _ByteCounter:
         pass
 
 
-def _os_cause(error: BaseException) -> OSError | None:
+def os_cause(error: BaseException) -> OSError | None:
     """The OSError behind `error` (torch's zip writer hides ENOSPC in the context)."""
     seen: BaseException | None = error
     while seen is not None:
@@ -60,7 +60,7 @@ def describe_write_failure(
     except Exception:
         needed = "an unknown number of bytes"
     usage = shutil.disk_usage(final.parent)
-    cause = _os_cause(error)
+    cause = os_cause(error)
     if cause is not None:
         reason = f"{cause.strerror} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
     elif counter.size > usage.free:

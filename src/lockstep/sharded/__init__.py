@@ -13,6 +13,9 @@
 | `gather.py` | stage 3: gather before use, free after, prefetch the next unit |
 | `state.py` | full state dicts from shards, and back |
 | `optim_state.py` | the optimizer state as the plain model's per-parameter state dict |
+| `boxes.py` | pure: a contiguous range of a flattened tensor as rectangles |
+| `dcp_pieces.py` | a shard's piece of a tensor as DCP rectangles (`_Checkpointable`), planners |
+| `dcp_state.py` | the engine's state in FSDP2's `get_state_dict` shape, and DCP load targets |
 | `clip.py` | the global gradient norm over shards |
 | `arguments.py` | arguments checked on every rank together |
 | `timeline.py` | spans of phases and collectives, for the lanes picture |
