@@ -90,10 +90,11 @@ def wrap(engine: str, model: nn.Module, name: str) -> nn.Module:
         for block in getattr(model, "blocks", []):
             fully_shard(block)
         return fully_shard(model)
-    stage = int(engine.removeprefix("stage"))
+    hybrid = {"hybrid": True, "shard_group_size": 2} if engine.startswith("hsdp") else {}
+    stage = int(engine.removeprefix("hsdp").removeprefix("stage"))
     wrap_cls = [Block] if stage == 3 and name == "gpt" else None
     return lockstep.ShardedDataParallel(
-        model, stage=stage, wrap=wrap_cls, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005
+        model, stage=stage, wrap=wrap_cls, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005, **hybrid
     )
 
 
