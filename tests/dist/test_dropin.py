@@ -119,7 +119,10 @@ def test_bucket_caps_list_cuts_the_buckets_as_torch_does(runs):
     for rank, results in enumerate(per_rank):
         ours = results[("bucket_list", "lockstep")]["seen"]
         theirs = results[("bucket_list", "torch")]["seen"]
-        assert ours == theirs, f"rank {rank}: lockstep {ours}, torch {theirs}"
+        assert ours["layout"] == theirs["layout"], f"rank {rank}: lockstep {ours}, torch {theirs}"
+        # The profiler lists gloo's all-reduces as they run; under load two may swap places.
+        sizes = [sorted(step) for step in ours["all_reduced"]]
+        assert sizes == [sorted(step) for step in theirs["all_reduced"]], f"rank {rank}: {ours}"
         layout = ours["layout"]
         assert len(layout) == 4, f"rank {rank}: {layout}"
         for k, bucket in enumerate(layout[:-1]):
