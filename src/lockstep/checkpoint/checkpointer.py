@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.checkpoint import live as live_state
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
@@ -27,7 +28,7 @@ from lockstep.checkpoint.state import build_payload, device_of, load_component, 
 from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
-from lockstep.runtime import progress
+from lockstep.runtime import live, progress
 from lockstep.sharded.engine import ShardedDataParallel
 
 
@@ -170,6 +171,15 @@ class Checkpointer:
             CheckpointError: on every rank, naming the file and the problem (no valid
                 checkpoint although files exist, a checkpoint of another model, ...).
         """
+        components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+        if live.joining():  # a live replacement: the state comes from a survivor
+            return live_state.receive(self, model, components)
+        step = self._restore_from_disk(model, components)
+        if live.enabled():
+            live_state.register(self, model, components, step)
+        return step
+
+    def _restore_from_disk(self, model: nn.Module, components: dict[str, Any]) -> int | None:
         device = device_of(model)
         path, payload, error = None, {}, None
         if self.rank == 0:
@@ -180,7 +190,7 @@ class Checkpointer:
             raise CheckpointError(f"{error} (raised on rank {self.rank})")
         if path is None:
             return None
-        components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+        components = dict(components)  # _apply takes the optimizer out for sharded models
         self._raise_if_any(self._apply(path, payload, device, model, components))
         self._restore_rng(path, payload)
         return int(payload["step"])
