@@ -31,6 +31,19 @@ def live_enabled() -> bool:
     return read_variable(LIVE_VARIABLE) == "1"
 
 
+_received = [False]  # a replacement: set once its state came from a survivor
+
+
+def joining() -> bool:
+    """True in a live replacement until a survivor sent it its state (no collectives of
+    its own before then: the survivors are inside their step, not in a constructor)."""
+    return live_enabled() and start_generation() > 0 and not _received[0]
+
+
+def mark_received() -> None:
+    _received[0] = True
+
+
 def start_generation() -> int:
     """The generation this process was started in: 0, or a replacement's number."""
     return int(read_variable(GENERATION_VARIABLE) or 0)

@@ -86,7 +86,7 @@ def enabled() -> bool:
 
 def joining() -> bool:
     """True in a replacement that has not yet received its state from a survivor."""
-    return enabled() and _live.generation > 0 and _live.server is None
+    return regroup.joining()
 
 
 def generation() -> int:
@@ -158,6 +158,7 @@ def declare() -> None:
 def adopt_received(states: list[dict[str, Any]]) -> None:
     """A replacement received the engines' states: adopt them now or when built."""
     _live.pending = states
+    regroup.mark_received()
     for engine, state in zip(_live.engines, states, strict=False):
         engine.adopt(state)
 
