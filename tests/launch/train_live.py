@@ -68,7 +68,7 @@ def arm_kill(model: nn.Sequential, where: str, when: list[bool]) -> None:
 
 def wrap(model: nn.Module, engine: str) -> nn.Module:
     if engine == "sharded":
-        return lockstep.ShardedDataParallel(model)
+        return lockstep.ShardedDataParallel(model, stage=2)
     return lockstep.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
 
 

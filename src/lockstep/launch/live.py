@@ -27,6 +27,7 @@ from lockstep import regroup
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
+FALLBACK = "falling back to the whole-group restart from the last checkpoint (--max-restarts)"
 
 
 def _describe_exit(code: int) -> str:
@@ -70,7 +71,7 @@ class LiveReplacer:
         ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
         reason = self._refusal(failed, ranks, worker_group, world_size)
         if reason is not None:
-            log.warning("live recovery not possible: %s; restarting the whole group", reason)
+            log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
             return
         self._replace(failed, ranks, pcontext, worker_group)
 
@@ -78,15 +79,22 @@ class LiveReplacer:
         self, failed: dict[int, int], ranks: list[int], group: WorkerGroup, world_size: int
     ) -> str | None:
         """Why the failed workers cannot be replaced live, in one line, or None."""
+        declared = self._declared_refusal(group, world_size)
+        if declared is not None:  # first: a survivor that cannot wait exits at once
+            return declared
+        if self._pending is not None:
+            generation = self._pending[0]
+            return f"rank(s) {ranks} failed during the live recovery of generation {generation}"
         for local_rank, code in failed.items():
             if code > 0:
                 rank = group.workers[local_rank].global_rank
                 return f"rank {rank} {_describe_exit(code)} (an error of the script, not a loss)"
-        if self._pending is not None:
-            generation = self._pending[0]
-            return f"rank(s) {ranks} failed during the live recovery of generation {generation}"
         if len(ranks) == world_size:
             return "no worker survived to hand the state over"
+        return None
+
+    def _declared_refusal(self, group: WorkerGroup, world_size: int) -> str | None:
+        """The first reason a rank posted for not being recoverable, or None."""
         store = self._worker_store(group)
         for rank in range(world_size):
             key = regroup.READY_KEY.format(rank=rank)

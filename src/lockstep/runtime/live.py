@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
 DEFAULT_ANNOUNCE_WAIT_S = 30.0
 SHARDED_REFUSAL = (
-    "the sharded engine keeps each rank's shards nowhere else (issue item 6): the group "
-    "restarts from the last checkpoint"
+    "lockstep.ShardedDataParallel keeps each rank's shards nowhere else, so no survivor "
+    "can hand them over"
 )
 
 

@@ -1,0 +1,98 @@
+"""`lockstep run --live-recovery`: a worker SIGKILLed mid-step is replaced, its peer keeps going.
+
+Real launchers, real workers, real kills (the script kills itself at a chosen point,
+`train_live.py`). The oracle is the same script run without a kill: final parameters
+and Adam state of every rank must be bitwise equal. A survivor keeps its process
+(one pid file per rank and process) and the launcher restarts nothing; a fault live
+recovery does not cover (the sharded engine) falls back to the whole-group restart
+with its one-line reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launchkit import Launcher
+
+SCRIPT = str(Path(__file__).with_name("train_live.py"))
+STEPS = 6
+WAIT_S = 150
+
+
+def _run(out: Path, flags: list[str], kill: str = "", script: tuple[str, ...] = ()) -> Launcher:
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--nproc-per-node", "2", *flags, SCRIPT, "--out", str(out), "--steps", str(STEPS)]
+    env = {"LOCKSTEP_TEST_KILL": kill, "LOCKSTEP_STALL_WARN_S": "60"}
+    launcher = Launcher([*argv, *script], out / "launcher.log", env=env)
+    code = launcher.wait(WAIT_S)
+    assert code == 0, launcher.log()
+    return launcher
+
+
+def _final(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    state = torch.load(out / f"final_rank{rank}.pt")
+    flat = {f"model/{k}": v for k, v in state["model"].items()}
+    for index, entry in state["optimizer"]["state"].items():
+        flat.update({f"adam/{index}/{k}": torch.as_tensor(v) for k, v in entry.items()})
+    return flat
+
+
+def _assert_bitwise(out: Path, oracle: Path) -> None:
+    for rank in (0, 1):
+        mine, expected = _final(out, rank), _final(oracle, rank)
+        assert mine.keys() == expected.keys()
+        differ = [k for k in mine if not torch.equal(mine[k], expected[k])]
+        assert not differ, f"rank {rank} differs from the uninterrupted run in {differ}"
+
+
+def _processes(out: Path) -> list[str]:
+    """'<rank>.<generation>.<restart>' for every process that started the script."""
+    return sorted(p.name for p in (out / "pids").iterdir())
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _run(out, [])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("live_recovery")  # one worker computes the oracle for both
+@pytest.mark.timeout(400)
+def test_kill_in_backward_mid_all_reduce_survivor_keeps_its_step(tmp_path, oracle):
+    """Rank 1 dies inside backward with buckets in flight; rank 0 finishes the same step."""
+    launcher = _run(tmp_path, ["--live-recovery"], kill="1:3:backward")
+    log = launcher.log()
+    assert "live recovery: rank 1" in log and "killed by SIGKILL" in log, log
+    assert "[rank 0]: live recovery: generation 1" in log, log
+    assert "restart 1" not in log, log
+    # rank 0 ran in one process; rank 1's replacement is generation 1 of restart 0
+    assert _processes(tmp_path) == ["0.0.0", "1.0.0", "1.1.0"], log
+    _assert_bitwise(tmp_path, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("live_recovery")
+@pytest.mark.timeout(400)
+def test_kill_of_rank0_in_forward_is_recovered_from_rank1(tmp_path, oracle):
+    """Rank 0 (the checkpoint writer) dies in forward; its state comes from rank 1."""
+    launcher = _run(tmp_path, ["--live-recovery"], kill="0:2:forward")
+    log = launcher.log()
+    assert "live recovery: rank 0" in log and "[rank 1]: live recovery" in log, log
+    assert _processes(tmp_path) == ["0.0.0", "0.1.0", "1.0.0"], log
+    _assert_bitwise(tmp_path, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sharded_engine_falls_back_to_the_whole_group_restart(tmp_path):
+    """No survivor holds a lost rank's shards: one line says so, and the group restarts."""
+    flags = ["--live-recovery", "--max-restarts", "1"]
+    launcher = _run(tmp_path, flags, kill="1:4:forward", script=("--engine", "sharded"))
+    log = launcher.log()
+    assert "live recovery not possible: rank 0: lockstep.ShardedDataParallel keeps" in log, log
+    assert "falling back to the whole-group restart" in log, log
+    assert _processes(tmp_path) == ["0.0.0", "0.0.1", "1.0.0", "1.0.1"], log
