@@ -77,12 +77,13 @@ def test_kill_in_backward_mid_all_reduce_survivor_keeps_its_step(tmp_path, oracl
 @pytest.mark.slow
 @pytest.mark.xdist_group("live_recovery")
 @pytest.mark.timeout(400)
-def test_kill_of_rank0_in_forward_is_recovered_from_rank1(tmp_path, oracle):
-    """Rank 0 (the checkpoint writer) dies in forward; its state comes from rank 1."""
-    launcher = _run(tmp_path, ["--live-recovery"], kill="0:2:forward")
+def test_kill_in_optimizer_step_then_of_rank0_in_forward(tmp_path, oracle):
+    """Rank 1 dies before its update of step 1; later rank 0 (the writer) dies in forward."""
+    launcher = _run(tmp_path, ["--live-recovery"], kill="1:1:optimizer,0:3:forward")
     log = launcher.log()
-    assert "live recovery: rank 0" in log and "[rank 1]: live recovery" in log, log
-    assert _processes(tmp_path) == ["0.0.0", "0.1.0", "1.0.0"], log
+    assert "[rank 0]: live recovery: generation 1" in log, log
+    assert "[rank 1]: live recovery: generation 2" in log, log  # the replacement served
+    assert _processes(tmp_path) == ["0.0.0", "0.2.0", "1.0.0", "1.1.0"], log
     _assert_bitwise(tmp_path, oracle)
 
 

@@ -4,12 +4,12 @@
 
 Every step's global batch depends only on the step number, each rank keeps its own
 dropout stream (seeded by its rank), and tiny buckets make a step several
-all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE" makes rank RANK SIGKILL itself at
-step STEP of the first process of that rank (not a replacement, not a restart):
-WHERE is "backward" (inside backward, after the other buckets were launched) or
-"forward". Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state)
-and OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps
-with lockstep.ShardedDataParallel instead (live recovery refuses it).
+all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
+itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
+the other buckets were launched), "forward" or "optimizer" (before its update).
+Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
+OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
+lockstep.ShardedDataParallel instead (live recovery refuses it).
 """
 
 from __future__ import annotations
@@ -47,15 +47,19 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def planned_kill(rank: int, first_process: bool) -> tuple[int, str]:
-    """(step, where) at which this process kills itself, or (-1, "")."""
-    plan = os.environ.get("LOCKSTEP_TEST_KILL", "")
-    if not plan or not first_process:
-        return -1, ""
-    kill_rank, step, where = plan.split(":")
-    return (int(step), where) if int(kill_rank) == rank else (-1, "")
+    """(step, where) at which this process kills itself, or (-1, "").
+
+    LOCKSTEP_TEST_KILL lists "RANK:STEP:WHERE" items, comma-separated; each is for the
+    first process of that rank (never a replacement nor a restarted one).
+    """
+    for plan in filter(None, os.environ.get("LOCKSTEP_TEST_KILL", "").split(",")):
+        kill_rank, step, where = plan.split(":")
+        if first_process and int(kill_rank) == rank:
+            return int(step), where
+    return -1, ""
 
 
-def arm_kill(model: nn.Sequential, where: str, when: list[bool]) -> None:
+def arm_kill(model: nn.Sequential, optimizer: torch.optim.Optimizer, where: str, when: list[bool]):
     def die(*_: object) -> None:
         if when[0]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -64,6 +68,8 @@ def arm_kill(model: nn.Sequential, where: str, when: list[bool]) -> None:
         model[0].weight.register_hook(lambda grad: die())
     elif where == "forward":
         model[2].register_forward_pre_hook(lambda *_: die())
+    elif where == "optimizer":  # after the step's collectives, before its update
+        optimizer.register_step_pre_hook(lambda *_: die())
 
 
 def wrap(model: nn.Module, engine: str) -> nn.Module:
@@ -74,10 +80,6 @@ def wrap(model: nn.Module, engine: str) -> nn.Module:
 
 def main() -> None:
     args = parse_args()
-    if os.environ.get("LIVE_DEBUG"):
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["LIVE_DEBUG"]))
     out = Path(args.out)
     ctx = lockstep.init()
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
@@ -97,7 +99,7 @@ def main() -> None:
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
     kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
     armed = [False]
-    arm_kill(model, where, armed)
+    arm_kill(model, optimizer, where, armed)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         x, y = batch(step, ctx.rank, ctx.world_size)

@@ -10,20 +10,17 @@ first step, are refused with the reason, and the launcher restarts the group ins
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from lockstep.runtime.transport import NATIVE
 
-if TYPE_CHECKING:
-    from lockstep.engine.ddp import DistributedDataParallel
-
 
 class LiveDDP:
     """One `lockstep.DistributedDataParallel` as `runtime/live.py` sees it."""
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel (imports us)
         self.ddp = ddp
 
     @property

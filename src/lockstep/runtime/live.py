@@ -36,7 +36,9 @@ from lockstep.errors import LockstepError
 from lockstep.runtime import waits
 
 if TYPE_CHECKING:
-    from lockstep.runtime.driver import BackwardDriver
+    from lockstep.runtime.bucket import Bucket
+    from lockstep.runtime.bucket_collective import BucketCollective
+    from lockstep.runtime.fingerprint import StepFingerprint
     from lockstep.runtime.step import StepState
 
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
@@ -56,6 +58,16 @@ class LiveEngine(Protocol):
     def state(self) -> dict[str, Any]: ...
     def adopt(self, state: dict[str, Any]) -> None: ...
     def regroup(self, group: dist.ProcessGroup) -> None: ...
+
+
+class Driver(Protocol):
+    """What the recovery uses of `BackwardDriver` (which imports this module)."""
+
+    buckets: list[Bucket]
+    collective: BucketCollective
+    fingerprint: StepFingerprint
+    sink: Any
+    steps: int
 
 
 class StateServer(Protocol):
@@ -179,13 +191,13 @@ class LiveSteps:
         """A bucket is about to be launched: copy its local (not yet reduced) gradients."""
         self.kept.append(buffer.clone())
 
-    def confirm(self, driver: BackwardDriver, step: StepState) -> None:
+    def confirm(self, driver: Driver, step: StepState) -> None:
         """Raise if any of the step's bucket collectives failed (even one seen done by poll)."""
         for bucket in driver.buckets[: step.next_bucket]:
             if bucket.handle is not None:
                 bucket.handle.wait()
 
-    def recover(self, driver: BackwardDriver, step: StepState, error: BaseException) -> None:
+    def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
         reason = refusal()
         if reason is not None or isinstance(error, LockstepError):
@@ -213,7 +225,7 @@ class LiveSteps:
             flush=True,
         )
 
-    def _relaunch(self, driver: BackwardDriver, step: StepState) -> None:
+    def _relaunch(self, driver: Driver, step: StepState) -> None:
         """The step's fingerprint and buckets again, from the kept local gradients."""
         driver.fingerprint.launch(step.fingerprint)
         last = len(driver.buckets) - 1
