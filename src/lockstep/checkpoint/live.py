@@ -13,7 +13,7 @@ Random state: each rank posts a copy of its generators (`checkpoint/rng.py`, abo
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,6 @@ from lockstep.checkpoint.state import build_payload, load_component, load_model
 from lockstep.runtime import live
 from lockstep.sharded.engine import ShardedDataParallel
 
-if TYPE_CHECKING:
-    from lockstep.checkpoint.checkpointer import Checkpointer
-
 RNG_KEY = "lockstep/live/rng/{rank}"
 SOURCE = "the state received from a live peer"
 
@@ -36,14 +33,14 @@ class LiveState:
     """What a survivor hands over: the script's components and where the step count stands.
 
     Args:
-        checkpointer: the script's Checkpointer (its `extra` travels too).
+        checkpointer: the script's `Checkpointer` (its `extra` travels too).
         model, components: what `restore()` was given.
         finished: steps finished when registered, less the engine's count then, so that
             `engine steps + offset` is the number of finished steps at any time.
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, model: nn.Module, components: dict, offset: int
+        self, checkpointer: Any, model: nn.Module, components: dict, offset: int
     ) -> None:
         self.checkpointer, self.model, self.components = checkpointer, model, components
         self.offset = offset
@@ -80,7 +77,7 @@ class LiveState:
         live.store().set(RNG_KEY.format(rank=dist.get_rank()), _pack(rng.capture()))
 
 
-def register(checkpointer: Checkpointer, model: nn.Module, components: dict, step: int | None):
+def register(checkpointer: Any, model: nn.Module, components: dict, step: int | None):
     """A survivor-to-be: `restore()` returned `step` (None: from scratch)."""
     engine_steps = live.engines()[0].steps if live.engines() else 0
     finished = 0 if step is None else step + 1
@@ -93,7 +90,7 @@ def _install(state: LiveState) -> None:
     live.set_server(state)
 
 
-def receive(checkpointer: Checkpointer, model: nn.Module, components: dict) -> int | None:
+def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None:
     """The replacement's `restore()`: load the donor's state; returns the last finished step."""
     _, replaced = regroup.read_announcement(live.store())
     donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
