@@ -1,20 +1,13 @@
 """Live recovery in the runtime: a survivor keeps its step, a replacement takes its place.
 
-Under `lockstep run --live-recovery` (LOCKSTEP_LIVE=1) a lost worker is replaced while
-the others keep their processes (docs/multinode.md, "Live recovery"). Here:
+Under `lockstep run --live-recovery` (docs/multinode.md, "Live recovery"):
 
 | who | when | what |
 |---|---|---|
 | `BackwardDriver` | a bucket launches | `LiveSteps.keep`: copy its local gradients |
 | `BackwardDriver` | a wait failed | `LiveSteps.recover`: new group, serve, run again |
-| an engine, a Checkpointer | built / restored | register what is handed over |
+| an engine, a Checkpointer | built / restored | register, `declare` in the store |
 
-`recover` awaits the launcher's new generation, re-forms the default group, lets the
-donor send the replacement its state, and launches the step's collectives again from
-the kept copies: the survivor's gradients and the replacement's meet as if nothing
-had happened.
-Each rank posts in the launcher's store whether it is recoverable (`declare`), so the
-launcher falls back to the whole-group restart, naming the reason, when one is not.
 The registry is per process on purpose: the recovery runs inside autograd's callback,
 far from the script's objects, and a process has one default group to re-form.
 """
@@ -99,10 +92,6 @@ def enabled() -> bool:
 def joining() -> bool:
     """True in a replacement that has not yet received its state from a survivor."""
     return regroup.joining()
-
-
-def generation() -> int:
-    return _live.generation
 
 
 def store() -> dist.Store:
