@@ -10,9 +10,8 @@ with its one-line reason.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
