@@ -39,9 +39,7 @@ class LiveState:
             `engine steps + offset` is the number of finished steps at any time.
     """
 
-    def __init__(
-        self, checkpointer: Any, model: nn.Module, components: dict, offset: int
-    ) -> None:
+    def __init__(self, checkpointer: Any, model: nn.Module, components: dict, offset: int) -> None:
         self.checkpointer, self.model, self.components = checkpointer, model, components
         self.offset = offset
 
