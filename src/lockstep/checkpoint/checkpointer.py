@@ -109,6 +109,8 @@ class Checkpointer:
         with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
             components = {"model": model, "optimizer": optimizer}
             components.update(sampler=sampler, scheduler=scheduler)
+            if live.enabled():
+                live_state.saved(step)  # the live count of finished steps must agree
             return self._save(step, components, extra)
 
     def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:

@@ -42,8 +42,20 @@ class LiveState:
     def __init__(self, checkpointer: Any, model: nn.Module, components: dict, offset: int) -> None:
         self.checkpointer, self.model, self.components = checkpointer, model, components
         self.offset = offset
+        self.miscount: str | None = None
+
+    def saved(self, step: int) -> None:
+        """`save(step)` ran: the script's count and the engine's must agree, else refuse."""
+        if self.miscount is None and live.engines() and step != self.finished() - 1:
+            self.miscount = (
+                f"the script saved step {step} where the engine counts {self.finished()} "
+                "finished steps: the step a replacement resumes at would be wrong"
+            )
+            live.declare()
 
     def refusal(self) -> str | None:
+        if self.miscount is not None:
+            return self.miscount
         if isinstance(self.model, ShardedDataParallel):
             return live.SHARDED_REFUSAL
         if self.components.get("sampler") is not None:
@@ -80,6 +92,13 @@ def register(checkpointer: Any, model: nn.Module, components: dict, step: int | 
     engine_steps = live.engines()[0].steps if live.engines() else 0
     finished = 0 if step is None else step + 1
     _install(LiveState(checkpointer, model, components, finished - engine_steps))
+
+
+def saved(step: int) -> None:
+    """`Checkpointer.save(step)` in live mode: check the script's count against the engine's."""
+    state = live.server()
+    if isinstance(state, LiveState):
+        state.saved(step)
 
 
 def _install(state: LiveState) -> None:

@@ -119,6 +119,10 @@ def register_refusal(reason: str) -> None:
     declare()
 
 
+def server() -> StateServer | None:
+    return _live.server
+
+
 def set_server(server: StateServer) -> None:
     _live.server = server
     declare()
