@@ -142,6 +142,8 @@ def refusal() -> str | None:
     """Why this rank cannot be recovered live, or None when it can."""
     if _live.refusals:
         return _live.refusals[0]
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return f"live recovery covers gloo only in this version; this job uses {dist.get_backend()}"
     if len(_live.engines) != 1:
         return (
             f"live recovery needs exactly one lockstep.DistributedDataParallel; found "
