@@ -55,39 +55,33 @@ def _processes(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "pids").iterdir())
 
 
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    _run(out, [])
-    return out
+SCENARIOS = {
+    # rank 1 dies inside backward, buckets in flight; rank 0 finishes the same step
+    "1:3:backward": ["0.0.0", "1.0.0", "1.1.0"],
+    # rank 1 dies before its update of step 1; later rank 0 (the writer) dies in forward
+    # and the state comes from rank 1's replacement: two generations in one run
+    "1:1:optimizer,0:3:forward": ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
+}
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("live_recovery")  # one worker computes the oracle for both
-@pytest.mark.timeout(400)
-def test_kill_in_backward_mid_all_reduce_survivor_keeps_its_step(tmp_path, oracle):
-    """Rank 1 dies inside backward with buckets in flight; rank 0 finishes the same step."""
-    launcher = _run(tmp_path, ["--live-recovery"], kill="1:3:backward")
-    log = launcher.log()
-    assert "live recovery: rank 1" in log and "killed by SIGKILL" in log, log
-    assert "[rank 0]: live recovery: generation 1" in log, log
-    assert "restart 1" not in log, log
-    # rank 0 ran in one process; rank 1's replacement is generation 1 of restart 0
-    assert _processes(tmp_path) == ["0.0.0", "1.0.0", "1.1.0"], log
-    _assert_bitwise(tmp_path, oracle)
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("live_recovery")
-@pytest.mark.timeout(400)
-def test_kill_in_optimizer_step_then_of_rank0_in_forward(tmp_path, oracle):
-    """Rank 1 dies before its update of step 1; later rank 0 (the writer) dies in forward."""
-    launcher = _run(tmp_path, ["--live-recovery"], kill="1:1:optimizer,0:3:forward")
-    log = launcher.log()
-    assert "[rank 0]: live recovery: generation 1" in log, log
-    assert "[rank 1]: live recovery: generation 2" in log, log  # the replacement served
-    assert _processes(tmp_path) == ["0.0.0", "0.2.0", "1.0.0", "1.1.0"], log
-    _assert_bitwise(tmp_path, oracle)
+@pytest.mark.timeout(600)
+def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
+    """Each scenario against one uninterrupted run (the oracle, computed once here)."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, [])
+    for kill, processes in SCENARIOS.items():
+        out = tmp_path / kill.replace(":", "_").replace(",", "+")
+        log = _run(out, ["--live-recovery"], kill=kill).log()
+        victims = [item.split(":")[0] for item in kill.split(",")]
+        for generation, victim in enumerate(victims, start=1):
+            assert f"live recovery: rank {victim} (pid" in log, (kill, log)
+            survivor = 1 - int(victim)
+            assert f"[rank {survivor}]: live recovery: generation {generation}" in log, log
+        assert "restart 1" not in log, (kill, log)
+        # survivors ran in one process; each replacement is its generation's, restart 0
+        assert _processes(out) == processes, (kill, log)
+        _assert_bitwise(out, oracle)
 
 
 @pytest.mark.slow
