@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
+from lockstep.regroup import join, start_generation, worker_store
 from lockstep.teardown import install as _pin_groups
 
 # Before any group exists: groups are pinned and end at a known point at exit
@@ -140,6 +141,9 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+        return
+    if start_generation() > 0:  # a live replacement joins its generation's group
+        join(worker_store(timeout), start_generation(), launch.rank, launch.world_size, timeout)
         return
     # torchrun-style launchers export MASTER_ADDR/MASTER_PORT; Slurm and MPI may not.
     init_method = (

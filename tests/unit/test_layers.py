@@ -17,8 +17,9 @@ ROOT = Path(lockstep.__file__).parent
 
 LAYERS = [
     {"errors", "compiler", "torch_compat"},
-    {"env", "agreement", "teardown", "nesting", "meta"},
-    {"context"},
+    {"env", "agreement", "teardown", "nesting"},
+    {"regroup"},
+    {"context", "meta"},
     {"collectives"},
     {"runtime"},
     {"engine", "sharded", "data"},

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.checkpoint import live as live_state
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
@@ -28,7 +29,7 @@ from lockstep.checkpoint.state import build_payload, device_of, load_component, 
 from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
-from lockstep.runtime import progress
+from lockstep.runtime import live, progress
 from lockstep.sharded.engine import ShardedDataParallel
 
 
@@ -112,6 +113,8 @@ class Checkpointer:
         with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
             components = {"model": model, "optimizer": optimizer}
             components.update(sampler=sampler, scheduler=scheduler)
+            if live.enabled():
+                live_state.saved(step)  # the live count of finished steps must agree
             if self._dcp is not None:
                 return self._dcp.save(step, components, extra)
             return self._save(step, components, extra)
@@ -176,12 +179,19 @@ class Checkpointer:
             CheckpointError: on every rank, naming the file and the problem (no valid
                 checkpoint although files exist, a checkpoint of another model, ...).
         """
-        if self._dcp is not None:
-            step = self._dcp.restore(
-                model, {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
-            )
+        components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+        if live.joining():  # a live replacement: the state comes from a survivor
+            return live_state.receive(self, model, components)
+        if self._dcp is not None:  # live recovery serves the single-file format only
+            step = self._dcp.restore(model, components)
             self.extra = self._dcp.extra
             return step
+        step = self._restore_from_disk(model, components)
+        if live.enabled():
+            live_state.register(self, model, components, step)
+        return step
+
+    def _restore_from_disk(self, model: nn.Module, components: dict[str, Any]) -> int | None:
         device = device_of(model)
         path, payload, error = None, {}, None
         if self.rank == 0:
@@ -192,7 +202,7 @@ class Checkpointer:
             raise CheckpointError(f"{error} (raised on rank {self.rank})")
         if path is None:
             return None
-        components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
+        components = dict(components)  # _apply takes the optimizer out for sharded models
         self._ranks.raise_if_any(self._apply(path, payload, device, model, components))
         self._restore_rng(path, payload)
         return int(payload["step"])

@@ -34,11 +34,13 @@ from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
+from lockstep.engine.live import LiveDDP
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
 from lockstep.meta import refuse_meta
 from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
+from lockstep.runtime import live
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
 from lockstep.runtime.same_parameters import verify_same_parameters
@@ -110,9 +112,11 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         check_module(module, args, ignored)
         self.module = module
         self._build_settings(args, ignored)
-        if args.init_sync:
+        if args.init_sync and not live.joining():  # a live replacement: from a survivor
             self._build_replicas()
         self._build_runtime()
+        if live.enabled():
+            live.register_engine(LiveDDP(self))
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)

@@ -149,6 +149,16 @@ class Reducer:
         self._use_layout(self._groups(order.tolist()))
         self._rebuilt = True
 
+    def live_layout(self) -> tuple[list[list[int]], bool]:
+        """The bucket layout in use and whether the one rebuild happened (`engine/live.py`)."""
+        return [list(g) for g in self.layout.groups], self._rebuilt
+
+    def adopt_layout(self, groups: list[list[int]], rebuilt: bool) -> None:
+        """A live replacement takes a survivor's layout, rebuilt or not."""
+        if [list(g) for g in self.layout.groups] != groups:
+            self._use_layout(groups)
+        self._rebuilt = rebuilt
+
     # ------------------------------------------------------------ each step
     def arm(self, unused: list[int], forward_start: float, forward_end: float) -> None:
         """The next backward synchronises; `unused` are pre-marked ready when it starts."""

@@ -23,6 +23,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
+from lockstep.launch.live import LiveReplacer
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
@@ -56,6 +57,7 @@ class LockstepAgent(LocalElasticAgent):
         watchdog: told of every step forward, so a store that hangs ends the launcher.
         stalls: the workers' progress watch (`lockstep.launch.stall`); None: off.
         exits: the bound on a worker's exit after its script (`lockstep.launch.exitwatch`).
+        live: replaces a lost worker and keeps the others (`lockstep.launch.live`); None: off.
     """
 
     def __init__(
@@ -67,9 +69,11 @@ class LockstepAgent(LocalElasticAgent):
         watchdog: Watchdog,
         stalls: StallWatch | None = None,
         exits: ExitWatch | None = None,
+        live: LiveReplacer | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._live = live
         self._stalls = stalls
         self._exits = exits
         self._watchdog = watchdog
@@ -120,6 +124,8 @@ class LockstepAgent(LocalElasticAgent):
             self._stalls.reset()
         if self._exits is not None:
             self._exits.reset()
+        if self._live is not None:
+            self._live.reset()
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._watchdog.pet("stopping the workers", self._shutdown_timeout)
@@ -131,6 +137,8 @@ class LockstepAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # A store call may wait for the heartbeat's call, each bounded by the store's bound.
         self._watchdog.pet("watching the workers", 2 * self.rendezvous.store.op_timeout_s + 5)
+        if self._live is not None and self._pcontext is not None:
+            self._live.check(self._pcontext, worker_group)  # before torch's poll stops them all
         result = super()._monitor_workers(worker_group)
         try:
             return self._watch_group(worker_group, result)

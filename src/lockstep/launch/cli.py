@@ -61,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with its stack and ended, and the run's result is the scripts' (default 30)",
     )
     run.add_argument(
+        "--live-recovery",
+        action="store_true",
+        help="replace a worker killed by a signal with a new process of the same rank while "
+        "the others keep running (one node, lockstep.DistributedDataParallel, gloo; "
+        "docs/multinode.md, 'Live recovery'); anything else restarts the whole group",
+    )
+    run.add_argument(
         "--engine",
         choices=["torch", "lockstep"],
         default=None,
@@ -140,8 +147,16 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         trace_dir=ns.trace,
         secret_file=ns.secret_file,
         exit_grace_s=ns.exit_grace,
-        extra_env={"LOCKSTEP_ENGINE": ns.engine} if ns.engine else {},
+        extra_env=_extra_env(ns),
+        live_recovery=ns.live_recovery,
     )
+
+
+def _extra_env(ns: argparse.Namespace) -> dict[str, str]:
+    env = {"LOCKSTEP_ENGINE": ns.engine} if ns.engine else {}
+    if ns.live_recovery:
+        env["LOCKSTEP_LIVE"] = "1"  # `lockstep.regroup.LIVE_VARIABLE`
+    return env
 
 
 def main(ns: argparse.Namespace) -> int:

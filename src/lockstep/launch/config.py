@@ -52,6 +52,7 @@ class RunConfig:
         trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
         exit_grace_s: seconds a worker may take to exit after its script ended well,
             before it is named with its stack and ended (`lockstep.launch.exitwatch`).
+        live_recovery: replace a lost worker live, keeping the others (`launch/live.py`).
         secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
             alone generates one): `lockstep.launch.secret`.
     """
@@ -70,6 +71,7 @@ class RunConfig:
     shutdown_timeout_s: int = 10
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
+    live_recovery: bool = False
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     secret_file: str | None = None
 
@@ -106,6 +108,11 @@ class RunConfig:
         self._check_stall_timeout()
 
     def _check_stall_timeout(self) -> None:
+        if self.live_recovery and self.nnodes > 1:
+            raise ValueError(
+                f"--live-recovery covers one node in this version; found --nnodes {self.nnodes}. "
+                "Drop the flag: a lost worker then restarts the whole group (--max-restarts)."
+            )
         if self.stall_timeout_s < 0:
             raise ValueError(
                 f"--stall-timeout must be >= 0 seconds (0: off); found {self.stall_timeout_s}"

@@ -36,6 +36,7 @@ from lockstep.launch import group, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.exitwatch import ExitWatch
+from lockstep.launch.live import LiveReplacer
 from lockstep.launch.netif import Route
 from lockstep.launch.preflight import check_master, find_route
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
@@ -135,6 +136,7 @@ def _agent(
         watchdog=watchdog,
         stalls=stalls,
         exits=exits,
+        live=LiveReplacer() if cfg.live_recovery else None,
     )
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from lockstep.errors import UnusedParametersError
-from lockstep.runtime import waits
+from lockstep.runtime import live, waits
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
 from lockstep.runtime.data_passes import DataPasses
@@ -96,6 +96,7 @@ class BackwardDriver:
         self.graph_open = False  # a finalized step's graph may be backwarded again
         self._micro_batches = 0  # forwards under no_sync() since the last synchronised one
         self._unfinished: str | None = None
+        self.live = live.LiveSteps() if live.enabled() else None  # `runtime/live.py`
 
     def use_buckets(self, buckets: Sequence[Bucket], layout_hash: int) -> None:
         """The buckets of the coming steps, in launch order, and their layout's hash."""
@@ -123,6 +124,8 @@ class BackwardDriver:
         self.graph_open = False
         for bucket in self.buckets:
             bucket.reset()
+        if self.live is not None:
+            self.live.kept.clear()
         return self.step
 
     def forward_without_sync(self, accumulating: bool) -> None:
@@ -158,6 +161,8 @@ class BackwardDriver:
             if bucket.pending:
                 return
             bucket.times.launched = time.perf_counter()
+            if self.live is not None:
+                self.live.keep(bucket.buffer)
             bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
             step.in_flight.append(bucket)
             step.next_bucket += 1
@@ -168,13 +173,14 @@ class BackwardDriver:
         step, self.step = self.step, None
         assert step is not None
         self.sink.before_waits(step)
-        for bucket in step.in_flight:
-            assert bucket.handle is not None
-            waits.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
-            self.sink.collected(bucket)
+        try:
+            self._wait_step(step)
+        except RuntimeError as error:  # a lost rank: recovered live, or raised as before
+            if self.live is None:
+                raise
+            self.live.recover(self, step, error)
         for bucket in self.buckets[: step.next_bucket]:
             bucket.times.done = bucket.handle.done_at if bucket.handle else 0.0
-        self.fingerprint.check()
         if step.next_bucket < len(self.buckets):
             self._unfinished = self.sink.unfinished(step)
             return
@@ -190,3 +196,15 @@ class BackwardDriver:
             action()
         for observe in self.observers:
             observe(self.last_stats)
+        if self.live is not None:
+            live.after_step()
+
+    def _wait_step(self, step: StepState) -> None:
+        """Wait for the step's buckets and check its fingerprint."""
+        for bucket in step.in_flight:
+            assert bucket.handle is not None
+            waits.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
+            self.sink.collected(bucket)
+        if self.live is not None:
+            self.live.confirm(self, step)
+        self.fingerprint.check()

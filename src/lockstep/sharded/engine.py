@@ -21,7 +21,7 @@ from torch import nn
 from lockstep.context import DistContext, group_context
 from lockstep.meta import refuse_meta
 from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
-from lockstep.runtime import waits
+from lockstep.runtime import live, waits
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.finite import FiniteGuard, NonFinite, flat_params
@@ -119,6 +119,8 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
         self.grad_sync = self._build_sync(check_data_passes, nonfinite)
         self.timeline: Timeline | None = None
+        if live.enabled():
+            live.register_refusal(live.SHARDED_REFUSAL)
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
 
     @property

@@ -1,0 +1,71 @@
+"""The DDP engine's part in live recovery (`runtime/live.py`): hand over, adopt, regroup.
+
+A survivor hands a replacement what the engine itself decided during the run and the
+script cannot recompute: the synchronised step count (the step fingerprint's number)
+and the bucket layout after the one rebuild. After a survivor re-forms the default
+group, every reference the engine holds to the old one is replaced (`regroup`).
+Modes that keep more state, or run collectives the replacement cannot match at its
+first step, are refused with the reason, and the launcher restarts the group instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep.runtime.transport import NATIVE
+
+
+class LiveDDP:
+    """One `lockstep.DistributedDataParallel` as `runtime/live.py` sees it."""
+
+    def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel (imports us)
+        self.ddp = ddp
+
+    @property
+    def steps(self) -> int:
+        return self.ddp.reducer.driver.steps
+
+    def refusal(self) -> str | None:
+        """Why this wrapper cannot be recovered live in this version, or None."""
+        ddp, args = self.ddp, self.ddp._args
+        checks = [
+            (args.process_group is not None or args.device_mesh is not None,
+             "a process group other than the default one"),
+            (args.allreduce != NATIVE, f"allreduce={args.allreduce!r} (native only)"),
+            (ddp.find_unused_parameters, "find_unused_parameters=True"),
+            (args.static_graph, "static_graph=True"),
+            (ddp.mixed_precision is not None, "mixed_precision"),
+            (ddp._delayed is not None, "delay_all_reduce_named_params"),
+            (getattr(ddp, "_hooked", False), "a communication hook"),
+            (ddp.forward_sync_buffers and any(True for _ in ddp.module.buffers()),
+             "buffers broadcast at every forward"),
+        ]  # fmt: skip
+        for refused, what in checks:
+            if refused:
+                return f"live recovery does not yet cover DistributedDataParallel with {what}"
+        return None
+
+    def state(self) -> dict[str, Any]:
+        reducer = self.ddp.reducer
+        groups, rebuilt = reducer.live_layout()
+        return {"steps": reducer.driver.steps, "groups": groups, "rebuilt": rebuilt}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """A replacement takes a survivor's step count and bucket layout."""
+        reducer = self.ddp.reducer
+        reducer.adopt_layout(state["groups"], state["rebuilt"])
+        reducer.driver.steps = int(state["steps"])
+
+    def regroup(self, group: dist.ProcessGroup) -> None:
+        """Point every reference to the old default group at `group`."""
+        ddp = self.ddp
+        ddp.process_group = group
+        reducer = ddp.reducer
+        reducer.group = reducer.driver.group = reducer.driver.fingerprint.group = group
+        ddp.nonfinite.group = group
+        collective: Any = reducer.driver.collective
+        while not hasattr(collective, "transport"):
+            collective = collective.inner
+        collective.transport.process_group = group

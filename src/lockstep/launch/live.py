@@ -1,0 +1,159 @@
+"""Replace a lost worker and keep the others (`lockstep run --live-recovery`, one node).
+
+torch's agent stops every worker once one fails: its process context's poll closes
+them all. Before that poll, `LiveReplacer.check` looks at the workers itself. A
+worker killed by a signal, whose peers all declared themselves recoverable in the
+worker store (`lockstep.regroup` keys, posted by `runtime/live.py`), is replaced in
+place: a new process with the same rank, arguments and environment plus its
+generation; then the generation is announced in the store, where the survivors wait
+for it. Anything else is left to torch's poll, that is today's whole-group restart,
+and the reason is logged in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+from lockstep import regroup
+
+log = logging.getLogger("lockstep.run")
+STORE_TIMEOUT_S = 10.0
+FALLBACK = "falling back to the whole-group restart from the last checkpoint (--max-restarts)"
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LiveReplacer:
+    """This node's live replacements, one generation at a time.
+
+    Attributes:
+        generation: the last generation announced in this rendezvous round.
+        recoveries: (generation, seconds from the death seen to every rank joined).
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.recoveries: list[tuple[int, float]] = []
+        self._store: dist.Store | None = None
+        self._pending: tuple[int, float] | None = None  # generation in recovery, since when
+
+    def reset(self) -> None:
+        """A new rendezvous round (a whole-group restart): a new worker store, generation 0."""
+        self.generation, self._store, self._pending = 0, None, None
+
+    def check(self, pcontext: Any, worker_group: WorkerGroup) -> None:
+        """Replace failed workers live when possible; otherwise leave them to torch's poll."""
+        world_size = len(worker_group.workers)  # one node: every rank is local
+        self._check_joined(worker_group, world_size)
+        failed = {
+            local_rank: handler.proc.returncode
+            for local_rank, handler in pcontext.subprocess_handlers.items()
+            if handler.proc.poll() is not None and handler.proc.returncode != 0
+        }
+        if not failed:
+            return
+        ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
+        reason = self._refusal(failed, ranks, worker_group, world_size)
+        if reason is not None:
+            log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
+            return
+        self._replace(failed, ranks, pcontext, worker_group)
+
+    def _refusal(
+        self, failed: dict[int, int], ranks: list[int], group: WorkerGroup, world_size: int
+    ) -> str | None:
+        """Why the failed workers cannot be replaced live, in one line, or None."""
+        declared = self._declared_refusal(group, world_size)
+        if declared is not None:  # first: a survivor that cannot wait exits at once
+            return declared
+        if self._pending is not None:
+            generation = self._pending[0]
+            return f"rank(s) {ranks} failed during the live recovery of generation {generation}"
+        for local_rank, code in failed.items():
+            if code > 0:
+                rank = group.workers[local_rank].global_rank
+                return f"rank {rank} {_describe_exit(code)} (an error of the script, not a loss)"
+        if len(ranks) == world_size:
+            return "no worker survived to hand the state over"
+        return None
+
+    def _declared_refusal(self, group: WorkerGroup, world_size: int) -> str | None:
+        """The first reason a rank posted for not being recoverable, or None."""
+        store = self._worker_store(group)
+        for rank in range(world_size):
+            key = regroup.READY_KEY.format(rank=rank)
+            if not store.check([key]):
+                return f"rank {rank} had not declared itself recoverable (before its restore())"
+            said = store.get(key).decode()
+            if said:
+                return f"rank {rank}: {said}"
+        return None
+
+    def _replace(
+        self, failed: dict[int, int], ranks: list[int], pcontext: Any, group: WorkerGroup
+    ) -> None:
+        self.generation += 1
+        for local_rank, code in sorted(failed.items()):
+            old = pcontext.subprocess_handlers[local_rank]
+            env = {**pcontext.envs[local_rank], regroup.GENERATION_VARIABLE: str(self.generation)}
+            handler = get_subprocess_handler(
+                entrypoint=pcontext.entrypoint,
+                args=pcontext.args[local_rank],
+                env=env,
+                stdout=pcontext.stdouts.get(local_rank),
+                stderr=pcontext.stderrs.get(local_rank),
+                local_rank_id=local_rank,
+            )
+            pcontext.subprocess_handlers[local_rank] = handler
+            group.workers[local_rank].id = handler.proc.pid
+            log.warning(
+                "live recovery: rank %d (pid %d) %s; started pid %d as rank %d, generation %d",
+                group.workers[local_rank].global_rank, old.proc.pid, _describe_exit(code),
+                handler.proc.pid, group.workers[local_rank].global_rank, self.generation,
+            )  # fmt: skip
+        announcement = {"generation": self.generation, "replaced": ranks}
+        self._worker_store(group).set(regroup.ANNOUNCE_KEY, json.dumps(announcement))
+        self._pending = (self.generation, time.monotonic())
+
+    def _check_joined(self, group: WorkerGroup, world_size: int) -> None:
+        """Log the end of a recovery once every rank is in the new generation."""
+        if self._pending is None:
+            return
+        generation, since = self._pending
+        keys = [regroup.JOINED_KEY.format(generation=generation, rank=r) for r in range(world_size)]
+        if not self._worker_store(group).check(keys):
+            return
+        seconds = time.monotonic() - since
+        self.recoveries.append((generation, seconds))
+        self._pending = None
+        log.warning(
+            "live recovery: generation %d formed %.2f s after the replacement started; "
+            "no worker restarted", generation, seconds,
+        )  # fmt: skip
+
+    def _worker_store(self, group: WorkerGroup) -> dist.Store:
+        if self._store is None:
+            self._store = dist.TCPStore(
+                str(group.master_addr),
+                int(group.master_port or 0),
+                is_master=False,
+                timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
+        return self._store

@@ -1,0 +1,101 @@
+"""The default process group of a live-recovery generation: join it, or re-form it.
+
+Under `lockstep run --live-recovery` the job's group lives in generations. The first
+is the one `init()` makes; after a worker is lost, the launcher starts a replacement
+and announces generation g in the launcher's worker store (the TCPStore every worker
+already dials). Survivors destroy their broken group and make a new gloo group on the
+store prefix of generation g; the replacement joins that prefix directly. torch's
+default group is the one replaced, so `torch.distributed.*` calls keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lockstep.env import read_variable
+
+LIVE_VARIABLE = "LOCKSTEP_LIVE"  # "1": the launcher replaces a lost worker live
+GENERATION_VARIABLE = "LOCKSTEP_LIVE_GENERATION"  # set in a replacement: its generation
+ANNOUNCE_KEY = "lockstep/live/generation"  # {"generation": g, "replaced": [ranks]}
+READY_KEY = "lockstep/live/ready/{rank}"  # "" (recoverable) or the reason it is not
+JOINED_KEY = "lockstep/live/joined/{generation}/{rank}"
+POLL_S = 0.05
+
+
+def live_enabled() -> bool:
+    """True when this worker runs under `lockstep run --live-recovery`."""
+    return read_variable(LIVE_VARIABLE) == "1"
+
+
+_received = [False]  # a replacement: set once its state came from a survivor
+
+
+def joining() -> bool:
+    """True in a live replacement until a survivor sent it its state (no collectives of
+    its own before then: the survivors are inside their step, not in a constructor)."""
+    return live_enabled() and start_generation() > 0 and not _received[0]
+
+
+def mark_received() -> None:
+    _received[0] = True
+
+
+def start_generation() -> int:
+    """The generation this process was started in: 0, or a replacement's number."""
+    return int(read_variable(GENERATION_VARIABLE) or 0)
+
+
+def worker_store(timeout: timedelta) -> dist.Store:
+    """A client of the launcher's worker store (MASTER_ADDR/MASTER_PORT, as torch's env://)."""
+    host = read_variable("MASTER_ADDR") or "127.0.0.1"
+    port = int(read_variable("MASTER_PORT") or 0)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def generation_prefix(generation: int) -> str:
+    return f"lockstep/live/gen{generation}/"
+
+
+def join(store: dist.Store, generation: int, rank: int, world_size: int, timeout: timedelta):
+    """Make the default gloo group of `generation` (every member calls this)."""
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(generation_prefix(generation), store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def reform(store: dist.Store, generation: int, timeout: timedelta) -> dist.ProcessGroup:
+    """Destroy this survivor's broken default group and join the one of `generation`."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    join(store, generation, rank, world_size, timeout)
+    return dist.distributed_c10d._get_default_group()
+
+
+def read_announcement(store: dist.Store) -> tuple[int, list[int]]:
+    """(generation, replaced ranks) as the launcher announced them; (0, []) before any."""
+    if not store.check([ANNOUNCE_KEY]):
+        return 0, []
+    value = json.loads(store.get(ANNOUNCE_KEY).decode())
+    return int(value["generation"]), [int(r) for r in value["replaced"]]
+
+
+def await_generation(store: dist.Store, after: int, timeout_s: float) -> tuple[int, list[int]]:
+    """Wait for a generation newer than `after`; raises TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        generation, replaced = read_announcement(store)
+        if generation > after:
+            return generation, replaced
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no replacement was announced within {timeout_s:.0f} s after generation {after}"
+            )
+        time.sleep(POLL_S)

@@ -1,0 +1,235 @@
+"""Live recovery in the runtime: a survivor keeps its step, a replacement takes its place.
+
+Under `lockstep run --live-recovery` (docs/multinode.md, "Live recovery"):
+
+| who | when | what |
+|---|---|---|
+| `BackwardDriver` | a bucket launches | `LiveSteps.keep`: copy its local gradients |
+| `BackwardDriver` | a wait failed | `LiveSteps.recover`: new group, serve, run again |
+| an engine, a Checkpointer | built / restored | register, `declare` in the store |
+
+The registry is per process on purpose: the recovery runs inside autograd's callback,
+far from the script's objects, and a process has one default group to re-form.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lockstep import regroup
+from lockstep.env import read_seconds, read_timeout
+from lockstep.errors import LockstepError
+from lockstep.runtime import waits
+
+if TYPE_CHECKING:
+    from lockstep.runtime.bucket import Bucket
+    from lockstep.runtime.bucket_collective import BucketCollective
+    from lockstep.runtime.fingerprint import StepFingerprint
+    from lockstep.runtime.step import StepState
+
+ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
+DEFAULT_ANNOUNCE_WAIT_S = 30.0
+SHARDED_REFUSAL = (
+    "lockstep.ShardedDataParallel keeps each rank's shards nowhere else, so no survivor "
+    "can hand them over"
+)
+
+
+class LiveEngine(Protocol):
+    """An engine's part: its step count, what a replacement adopts, its group references."""
+
+    steps: int
+
+    def refusal(self) -> str | None: ...
+    def state(self) -> dict[str, Any]: ...
+    def adopt(self, state: dict[str, Any]) -> None: ...
+    def regroup(self, group: dist.ProcessGroup) -> None: ...
+
+
+class Driver(Protocol):
+    """What the recovery uses of `BackwardDriver` (which imports this module)."""
+
+    buckets: list[Bucket]
+    collective: BucketCollective
+    fingerprint: StepFingerprint
+    sink: Any
+    steps: int
+
+
+class StateServer(Protocol):
+    """The script's state (a Checkpointer's components): sent by a survivor to replacements."""
+
+    def refusal(self) -> str | None: ...
+    def serve(self, donor: int, replaced: list[int]) -> None: ...
+
+
+@dataclass
+class _Registry:
+    generation: int = field(default_factory=regroup.start_generation)
+    engines: list[LiveEngine] = field(default_factory=list)
+    server: StateServer | None = None
+    refusals: list[str] = field(default_factory=list)  # engines that cannot recover live
+    pending: list[dict[str, Any]] | None = None  # engine states received before the engine
+    after_step: list[Callable[[], None]] = field(default_factory=list)
+    store: dist.Store | None = None
+
+
+_live = _Registry()
+
+
+def enabled() -> bool:
+    """True under `lockstep run --live-recovery`."""
+    return regroup.live_enabled()
+
+
+def joining() -> bool:
+    """True in a replacement that has not yet received its state from a survivor."""
+    return regroup.joining()
+
+
+def store() -> dist.Store:
+    """This worker's client of the launcher's worker store (made once)."""
+    if _live.store is None:
+        _live.store = regroup.worker_store(read_timeout())
+    return _live.store
+
+
+def engines() -> list[LiveEngine]:
+    return list(_live.engines)
+
+
+def register_engine(engine: LiveEngine) -> None:
+    """An engine was built; a replacement adopts the state it received already."""
+    _live.engines.append(engine)
+    if _live.pending is not None and len(_live.pending) == len(_live.engines):
+        engine.adopt(_live.pending[-1])
+    declare()
+
+
+def register_refusal(reason: str) -> None:
+    """An engine that cannot be recovered live: the launcher restarts the group instead."""
+    _live.refusals.append(reason)
+    declare()
+
+
+def server() -> StateServer | None:
+    return _live.server
+
+
+def set_server(server: StateServer) -> None:
+    _live.server = server
+    declare()
+
+
+def add_after_step(action: Callable[[], None]) -> None:
+    """Run `action` at the end of every synchronised step (the RNG copy)."""
+    _live.after_step.append(action)
+
+
+def after_step() -> None:
+    for action in _live.after_step:
+        action()
+
+
+def refusal() -> str | None:
+    """Why this rank cannot be recovered live, or None when it can."""
+    if _live.refusals:
+        return _live.refusals[0]
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return f"live recovery covers gloo only in this version; this job uses {dist.get_backend()}"
+    if len(_live.engines) != 1:
+        return (
+            f"live recovery needs exactly one lockstep.DistributedDataParallel; found "
+            f"{len(_live.engines)}"
+        )
+    if _live.server is None:
+        return "the script has not called Checkpointer.restore(), which hands the state over"
+    return _live.engines[0].refusal() or _live.server.refusal()
+
+
+def declare() -> None:
+    """Post in the launcher's store whether this rank is recoverable ("" or the reason)."""
+    if not enabled() or not dist.is_initialized():
+        return
+    key = regroup.READY_KEY.format(rank=dist.get_rank())
+    store().set(key, refusal() or "")
+
+
+def adopt_received(states: list[dict[str, Any]]) -> None:
+    """A replacement received the engines' states: adopt them now or when built."""
+    _live.pending = states
+    regroup.mark_received()
+    for engine, state in zip(_live.engines, states, strict=False):
+        engine.adopt(state)
+
+
+def post_joined() -> None:
+    """Tell the launcher this rank is in the new generation with its state."""
+    key = regroup.JOINED_KEY.format(generation=_live.generation, rank=dist.get_rank())
+    store().set(key, "1")
+
+
+class LiveSteps:
+    """One driver's part: copies of the step's local gradients, and the recovery."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def keep(self, buffer: torch.Tensor) -> None:
+        """A bucket is about to be launched: copy its local (not yet reduced) gradients."""
+        self.kept.append(buffer.clone())
+
+    def confirm(self, driver: Driver, step: StepState) -> None:
+        """Raise if any of the step's bucket collectives failed (even one seen done by poll)."""
+        for bucket in driver.buckets[: step.next_bucket]:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+
+    def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
+        """Finish the interrupted step with the new generation, or re-raise `error`."""
+        reason = refusal()
+        if reason is not None or isinstance(error, LockstepError):
+            raise error
+        start = time.monotonic()
+        wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
+        try:
+            new, replaced = regroup.await_generation(store(), _live.generation, wait_s)
+        except TimeoutError:
+            raise error from None
+        group = regroup.reform(store(), new, read_timeout())
+        _live.generation = new
+        for engine in _live.engines:
+            engine.regroup(group)
+        assert _live.server is not None
+        donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
+        _live.server.serve(donor, replaced)
+        post_joined()
+        self._relaunch(driver, step)
+        print(
+            f"lockstep [rank {dist.get_rank()}]: live recovery: generation {new}, rank(s) "
+            f"{replaced} replaced; step {driver.steps + 1} finished again after "
+            f"{time.monotonic() - start:.2f} s standing still",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _relaunch(self, driver: Driver, step: StepState) -> None:
+        """The step's fingerprint and buckets again, from the kept local gradients."""
+        driver.fingerprint.launch(step.fingerprint)
+        last = len(driver.buckets) - 1
+        launched = driver.buckets[: step.next_bucket]
+        for index, (bucket, local) in enumerate(zip(launched, self.kept, strict=True)):
+            bucket.buffer.copy_(local)
+            bucket.handle = driver.collective.launch(bucket, index == last)
+        for bucket in launched:
+            assert bucket.handle is not None
+            waits.wait(bucket.handle, "gradient bucket", driver.steps + 1, bucket.index, None)
+            driver.sink.collected(bucket)
+        driver.fingerprint.check()

@@ -1,0 +1,119 @@
+"""A small training script for the live-recovery tests: DDP, Adam, dropout, a checkpoint.
+
+    lockstep run --nproc-per-node 2 --live-recovery tests/launch/train_live.py --out /tmp/live
+
+Every step's global batch depends only on the step number, each rank keeps its own
+dropout stream (seeded by its rank), and tiny buckets make a step several
+all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
+itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
+the other buckets were launched), "forward" or "optimizer" (before its update).
+Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
+OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
+lockstep.ShardedDataParallel instead (live recovery refuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lockstep
+
+FEATURES, BATCH = 6, 8
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--engine", choices=["ddp", "sharded"], default="ddp")
+    return parser.parse_args()
+
+
+def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH * world_size, FEATURES, generator=gen)
+    y = x.sum(dim=1, keepdim=True).sin()
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    return x[rows], y[rows]
+
+
+def planned_kill(rank: int, first_process: bool) -> tuple[int, str]:
+    """(step, where) at which this process kills itself, or (-1, "").
+
+    LOCKSTEP_TEST_KILL lists "RANK:STEP:WHERE" items, comma-separated; each is for the
+    first process of that rank (never a replacement nor a restarted one).
+    """
+    for plan in filter(None, os.environ.get("LOCKSTEP_TEST_KILL", "").split(",")):
+        kill_rank, step, where = plan.split(":")
+        if first_process and int(kill_rank) == rank:
+            return int(step), where
+    return -1, ""
+
+
+def arm_kill(model: nn.Sequential, optimizer: torch.optim.Optimizer, where: str, when: list[bool]):
+    def die(*_: object) -> None:
+        if when[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "backward":  # the first layer's gradient comes last: other buckets are out
+        model[0].weight.register_hook(lambda grad: die())
+    elif where == "forward":
+        model[2].register_forward_pre_hook(lambda *_: die())
+    elif where == "optimizer":  # after the step's collectives, before its update
+        optimizer.register_step_pre_hook(lambda *_: die())
+
+
+def wrap(model: nn.Module, engine: str) -> nn.Module:
+    if engine == "sharded":
+        return lockstep.ShardedDataParallel(model, stage=2)
+    return lockstep.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    ctx = lockstep.init()
+    generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(32, 1),
+    )  # fmt: skip
+    torch.manual_seed(100 + ctx.rank)  # each rank its own dropout stream
+    ddp = wrap(model, args.engine)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    checkpoints = lockstep.Checkpointer(out / "ckpt", keep=2)
+    last = checkpoints.restore(model=ddp, optimizer=optimizer)
+    start = 0 if last is None else last + 1
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    (out / "pids" / f"{ctx.rank}.{generation}.{ctx.restart_count}").write_text(str(os.getpid()))
+    print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
+    kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
+    armed = [False]
+    arm_kill(model, optimizer, where, armed)
+    for step in range(start, args.steps):
+        armed[0] = step == kill_step
+        x, y = batch(step, ctx.rank, ctx.world_size)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        if (step + 1) % args.save_every == 0:
+            checkpoints.save(step, model=ddp, optimizer=optimizer)
+        print(f"rank {ctx.rank} finished step {step}", flush=True)
+        time.sleep(args.step_sleep)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, out / f"final_rank{ctx.rank}.pt")
+    lockstep.shutdown()
+
+
+if __name__ == "__main__":
+    main()
