@@ -48,6 +48,7 @@ class WorkHandle:
 
     def poll(self) -> bool:
         if not self.done_at and self.work.is_completed():
+            self.work.wait()  # a failed work is "completed" too: wait() raises its error
             self.done_at = time.perf_counter()
         return bool(self.done_at)
 
@@ -97,9 +98,6 @@ class HookHandle:
             self._take()
 
     def _take(self) -> None:
-        # done() may be true while a CUDA future's kernels still run; wait() orders the
-        # current stream after them (value() alone does not), so the copy below is safe.
-        self.future.wait()
         # done() may be true while a CUDA future's kernels still run; wait() orders the
         # current stream after them (value() alone does not), so the copy below is safe.
         self.future.wait()
