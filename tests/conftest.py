@@ -36,5 +36,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     heartbeats and cuts, which must not share the two cores with each other."""
     for item in items:
         for kind in ("netns", "slurm", "mpi"):
-            if item.get_closest_marker(kind):
-                item.add_marker(pytest.mark.xdist_group(kind))
+            if item.get_closest_marker(kind) and getattr(config.option, "loadgroup", False):
+                _join_group(item, kind)
+
+
+def _join_group(item: pytest.Item, group: str) -> None:
+    """What pytest-xdist's `xdist_group` mark does: the group's name ends the node id,
+    and the scheduler keeps a group on one worker. Its own hook sets `_nodeid`, which
+    pytest 9.2 no longer reads (node ids live in `_id`), so the mark alone groups nothing."""
+    from _pytest.nodeid import coerce_node_id  # pytest's own parser of node ids
+
+    if "@" not in item.nodeid:
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
