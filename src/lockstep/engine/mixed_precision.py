@@ -41,8 +41,8 @@ class _Rounded:
         return bool(self.done_at)
 
     def wait(self) -> None:
+        self.inner.wait()  # also once done: a failed work raises here
         if not self.done_at:
-            self.inner.wait()
             self._finish()
 
     def _finish(self) -> None:

@@ -205,6 +205,7 @@ class BackwardDriver:
             assert bucket.handle is not None
             waits.wait(bucket.handle, "gradient bucket", self.steps + 1, bucket.index, self.group)
             self.sink.collected(bucket)
-        if self.live is not None:
-            self.live.confirm(self, step)
+        for bucket in self.buckets[: step.next_bucket]:  # collected early by a poll, too:
+            if bucket.handle is not None:  # gloo marks a failed work completed; wait() raises
+                bucket.handle.wait()
         self.fingerprint.check()

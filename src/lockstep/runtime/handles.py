@@ -48,7 +48,6 @@ class WorkHandle:
 
     def poll(self) -> bool:
         if not self.done_at and self.work.is_completed():
-            self.work.wait()  # a failed work is "completed" too: wait() raises its error
             self.done_at = time.perf_counter()
         return bool(self.done_at)
 

@@ -186,12 +186,6 @@ class LiveSteps:
         """A bucket is about to be launched: copy its local (not yet reduced) gradients."""
         self.kept.append(buffer.clone())
 
-    def confirm(self, driver: Driver, step: StepState) -> None:
-        """Raise if any of the step's bucket collectives failed (even one seen done by poll)."""
-        for bucket in driver.buckets[: step.next_bucket]:
-            if bucket.handle is not None:
-                bucket.handle.wait()
-
     def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
         reason = refusal()

@@ -207,6 +207,7 @@ def wait(
         group: the process group it runs over (the default group when None).
     """
     if handle.poll():
+        handle.wait()  # gloo marks a failed work completed too: its wait() raises the error
         return
     what = f"{kind} {index} of step {step}" if index >= 0 else f"{kind} of step {step}"
     watch = inspector()
