@@ -198,3 +198,42 @@ def test_step_stats_and_the_nonfinite_guard_hold_under_a_policy():
             error = result["error"]
             assert error is not None and "rank(s) 1's own gradients" in error, (rank, error)
             assert f"raised on rank {rank}" in error, error
+
+
+class TwoDtypes(torch.nn.Module):
+    """One unit holding fp32 and fp64 parameters: two flats of one unit, each its own dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _two_dtypes(ctx, split: bool) -> dict:
+    torch.manual_seed(0)
+    policy = lockstep.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    wrap = [torch.nn.Linear] if split else None  # split: each unit of one dtype only
+    model = lockstep.ShardedDataParallel(TwoDtypes(), stage=3, wrap=wrap, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + ctx.rank))
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _both_splits(ctx) -> dict:
+    return {split: _two_dtypes(ctx, split) for split in (False, True)}
+
+
+def test_a_unit_of_two_dtypes_casts_each_flat_from_its_own_dtype():
+    """Each flat's dtypes come from its own parameters, not from the unit's last group."""
+    for rank, out in enumerate(run_ranks(_both_splits, 2, deadline_s=60)):
+        together, apart = out[False], out[True]
+        assert together["scale"].dtype == torch.float64, together["scale"].dtype
+        for key, value in apart.items():
+            assert torch.equal(together[key], value), f"rank {rank}: {key}"

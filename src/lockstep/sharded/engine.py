@@ -32,13 +32,14 @@ from lockstep.runtime.wrap_hooks import wrapped
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
 from lockstep.sharded.arguments import check_arguments
+from lockstep.sharded.build import build_flats
 from lockstep.sharded.clip import clip_grad_norm_
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.gather import GatherScheduler, Unit
 from lockstep.sharded.hybrid import grad_collective
 from lockstep.sharded.mesh import build_mesh, resolve_shard_size
 from lockstep.sharded.modes import resolve_modes
-from lockstep.sharded.precision import cast_inputs, cast_output, flat_dtypes, unit_input_hook
+from lockstep.sharded.precision import cast_inputs, cast_output, unit_input_hook
 from lockstep.sharded.reshard import ReshardRule
 from lockstep.sharded.sync import GradSync
 from lockstep.sharded.timeline import Timeline
@@ -130,28 +131,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
 
     def _build_flats(self, specs: list[UnitSpec]) -> tuple[list[FlatParam], list[Unit]]:
         """One FlatParam per (unit, dtype, trainable); shards become this wrapper's parameters."""
-        flats: list[FlatParam] = []
-        units = []
-        for spec in specs:
-            by_dtype: dict[tuple[torch.dtype, bool], list] = {}
-            for slots in spec.params:
-                key = (slots.param.dtype, slots.param.requires_grad)
-                by_dtype.setdefault(key, []).append(slots)
-            unit_flats = []
-            for group in by_dtype.values():
-                flat = FlatParam(
-                    len(flats),
-                    spec.name,
-                    group,
-                    self.mesh.shard_rank,
-                    self.mesh.shard_size,
-                    self.mesh.shard_group,
-                    keep_full=self.stage < 3,
-                    dtypes=flat_dtypes(self.mp_policy, key[0]),
-                )
-                flats.append(flat)
-                unit_flats.append(flat)
-            units.append(Unit(spec.name, spec.module, unit_flats))
+        flats, units = build_flats(specs, self.mesh, self.stage < 3, self.mp_policy)
         # Registered under "shards" so parameters(), .to() and named_parameters() see them.
         self.shards = nn.ParameterList([flat.shard for flat in flats])
         return flats, units
