@@ -72,7 +72,7 @@ def test_a_crash_at_any_point_of_a_commit_leaves_a_complete_checkpoint(tmp_path,
         assert (out["step"], out["value"]) == ((2, 2.0) if committed else (1, 1.0)), out
     notes = " ".join(results[0]["notes"])  # rank 0 reports what it passed over
     if point in ("data_written", "manifest_written"):
-        assert ".step_00000002.tmp, left by an interrupted save" in notes
+        assert ".step_00000002.tmp left by an interrupted save" in notes
     if point in ("renamed", "pointer_written"):
         assert "interrupted before latest named it" in notes
     run_ranks(_save, 2, str(tmp_path), [3], None, 1)  # the next save cleans up the rest

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION, POINTER, _fsync_directory
+from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION, _fsync_directory
+from lockstep.checkpoint.steps import POINTER, StepEntries
 
 MANIFEST = "lockstep.pt"
 # Where `on_point` is called during a commit; the crash tests stop rank 0 at each.
@@ -45,7 +46,7 @@ def file_crc(path: Path) -> tuple[int, int]:
     return size, crc
 
 
-class DcpFiles:
+class DcpFiles(StepEntries):
     """One directory of DCP checkpoints; rank 0 commits, every rank writes and reads.
 
     Args:
@@ -54,15 +55,14 @@ class DcpFiles:
         on_point: called with each name in POINTS as a save passes it (for tests).
     """
 
+    pattern, folders, noun, suffix = _STEP_DIR, True, "folder", ""
+
     def __init__(
         self, directory: Path, keep: int, on_point: Callable[[str], None] | None = None
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1; found {keep}")
         self.directory, self.keep, self.on_point = directory, keep, on_point
-
-    def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}"
 
     def temp_for(self, step: int) -> Path:
         return self.directory / f".step_{step:08d}.tmp"
@@ -102,42 +102,6 @@ class DcpFiles:
         self.point("pointer_updated")
         self.prune(step)
         return final
-
-    def steps_on_disk(self) -> list[int]:
-        """Steps with a checkpoint folder, newest first (committed or not, valid or not)."""
-        if not self.directory.is_dir():
-            return []
-        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir() if p.is_dir())
-        return sorted((int(m.group(1)) for m in found if m), reverse=True)
-
-    def committed_step(self) -> tuple[int | None, str | None]:
-        """The step `latest` names, or None; and a note when `latest` is unreadable."""
-        pointer = self.directory / POINTER
-        if not pointer.is_file():
-            return None, None
-        text = pointer.read_text(errors="replace").strip()
-        match = _STEP_DIR.match(text)
-        if match is None:
-            return None, f"{pointer} is unreadable (found {text[:40]!r}); using the newest folder"
-        return int(match.group(1)), None
-
-    def candidates(self) -> tuple[list[int], list[str]]:
-        """Steps to try, best first, and notes on what was passed over."""
-        steps = self.steps_on_disk()
-        committed, note = self.committed_step()
-        notes = [note] if note else []
-        notes += [
-            f"ignoring {path}, left by an interrupted save"
-            for path in sorted(self.directory.glob(".step_*.tmp"))
-        ]
-        if committed is None:
-            return steps, notes
-        notes += [
-            f"ignoring {self.path_for(s)}: the save was interrupted before {POINTER} named it"
-            for s in steps
-            if s > committed
-        ]
-        return [committed] + [s for s in steps if s < committed], notes
 
     def prune(self, current: int) -> None:
         """Keep the newest `keep` checkpoints up to `current`; drop older and uncommitted ones."""

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from lockstep.checkpoint.steps import POINTER, StepEntries
 from lockstep.checkpoint.write_error import describe_write_failure
 from lockstep.errors import CheckpointError
 
 FORMAT_KEY = "lockstep_checkpoint"
 FORMAT_VERSION = 1
-POINTER = "latest"
 # Where `on_point` is called during a save; the crash tests stop the process at each.
 POINTS = ("temp_written", "temp_synced", "renamed", "pointer_written", "pointer_updated")
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -45,7 +45,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-class CheckpointFiles:
+class CheckpointFiles(StepEntries):
     """One checkpoint directory. Only rank 0 writes; any rank may read.
 
     Args:
@@ -53,6 +53,8 @@ class CheckpointFiles:
         keep: how many committed checkpoints to keep (the newest ones).
         on_point: called with each name in POINTS as a save passes it (for tests).
     """
+
+    pattern, folders, noun, suffix = _STEP_FILE, False, "file", ".pt"
 
     def __init__(
         self, directory: Path, keep: int, on_point: Callable[[str], None] | None = None
@@ -62,9 +64,6 @@ class CheckpointFiles:
         self.directory = directory
         self.keep = keep
         self.on_point = on_point
-
-    def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}.pt"
 
     def _point(self, name: str) -> None:
         if self.on_point is not None:
@@ -122,42 +121,6 @@ class CheckpointFiles:
     def _remove_temp_files(self) -> None:
         for path in self.directory.glob(".*.tmp"):
             path.unlink(missing_ok=True)
-
-    def steps_on_disk(self) -> list[int]:
-        """Steps with a checkpoint file, newest first (committed or not, valid or not)."""
-        if not self.directory.is_dir():
-            return []
-        found = (_STEP_FILE.match(path.name) for path in self.directory.iterdir())
-        return sorted((int(m.group(1)) for m in found if m), reverse=True)
-
-    def committed_step(self) -> tuple[int | None, str | None]:
-        """The step `latest` names, or None; and a note when `latest` is unreadable."""
-        pointer = self.directory / POINTER
-        if not pointer.is_file():
-            return None, None
-        text = pointer.read_text(errors="replace").strip()
-        match = _STEP_FILE.match(text)
-        if match is None:
-            return None, f"{pointer} is unreadable (found {text[:40]!r}); using the newest file"
-        return int(match.group(1)), None
-
-    def candidates(self) -> tuple[list[int], list[str]]:
-        """Steps to try, best first, and notes on files that were passed over."""
-        steps = self.steps_on_disk()
-        committed, note = self.committed_step()
-        notes = [note] if note else []
-        notes += [
-            f"ignoring partial file {path} left by an interrupted save"
-            for path in sorted(self.directory.glob(".step_*.tmp"))
-        ]
-        if committed is None:
-            return steps, notes
-        notes += [
-            f"ignoring {self.path_for(s)}: the save was interrupted before {POINTER} named it"
-            for s in steps
-            if s > committed
-        ]
-        return [committed] + [s for s in steps if s < committed], notes
 
     def load(self, path: Path, map_location: Any, *, verify: bool = True) -> dict[str, Any]:
         """Load and check one checkpoint file.
