@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lockstep.checkpoint.state import unwrap
+from lockstep.checkpoint.state import shape_differences, unwrap
 from lockstep.errors import CheckpointError
 from lockstep.sharded import dcp_state
 from lockstep.sharded.dcp_pieces import FlatPiece, PieceLoadPlanner, PieceSavePlanner
@@ -161,25 +161,11 @@ def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
 
 def _check_model(path: Any, metadata: Metadata, expected: dict[str, Any]) -> None:
     saved = {
-        k[len(MODEL) + 1 :]: md
+        k[len(MODEL) + 1 :]: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(f"{MODEL}.")
     }
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
-    shapes = [
-        f"{k}: checkpoint {tuple(md.size)} vs model {expected[k]}"
-        for k, md in saved.items()
-        if k in expected and isinstance(md, TensorStorageMetadata)
-        if expected[k] is not None and tuple(md.size) != expected[k]
-    ]
-    parts = []
-    if missing:
-        parts.append(f"keys missing from the checkpoint {missing[:6]} ({len(missing)})")
-    if unexpected:
-        parts.append(f"keys the model does not have {unexpected[:6]} ({len(unexpected)})")
-    if shapes:
-        parts.append(f"shape mismatches {shapes[:6]}")
+    parts = shape_differences(expected, saved)
     if parts:
         raise CheckpointError(
             f"{path} does not fit this model: " + "; ".join(parts) + ". Expected a DCP "

@@ -70,14 +70,19 @@ def _listed(keys: list[str]) -> str:
     return f"[{shown}{', ...' if len(keys) > _LISTED else ''}] ({len(keys)})"
 
 
-def _differences(expected: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+def shape_differences(
+    expected: dict[str, tuple[int, ...] | None], saved: dict[str, tuple[int, ...] | None]
+) -> list[str]:
+    """What keeps a checkpoint from fitting a model, given each side's keys and shapes.
+
+    None stands for a value without a shape (not a tensor); it is not compared.
+    """
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
     shapes = [
-        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in saved and isinstance(v, torch.Tensor) and isinstance(saved[k], torch.Tensor)
-        if saved[k].shape != v.shape
+        f"{k}: checkpoint {saved[k]} vs model {shape}"
+        for k, shape in expected.items()
+        if k in saved and shape is not None and saved[k] is not None and saved[k] != shape
     ]
     parts = []
     if missing:
@@ -89,6 +94,10 @@ def _differences(expected: dict[str, Any], saved: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
 def load_model(model: nn.Module, saved: dict[str, Any], source: str) -> None:
     """Load `saved` into the (unwrapped) model, or raise without touching it.
 
@@ -98,7 +107,7 @@ def load_model(model: nn.Module, saved: dict[str, Any], source: str) -> None:
     module = unwrap(model)
     saved = dict(saved)
     consume_prefix_in_state_dict_if_present(saved, "module.")
-    parts = _differences(module.state_dict(), saved)
+    parts = shape_differences(_shapes(module.state_dict()), _shapes(saved))
     if parts:
         raise CheckpointError(
             f"{source} does not fit this model: " + "; ".join(parts) + ". Expected a "
