@@ -105,10 +105,8 @@ class DcpFiles(StepEntries):
 
     def prune(self, current: int) -> None:
         """Keep the newest `keep` checkpoints up to `current`; drop older and uncommitted ones."""
-        steps = self.steps_on_disk()
-        older = [s for s in steps if s <= current]
-        for step in older[self.keep :] + [s for s in steps if s > current]:
-            shutil.rmtree(self.path_for(step), ignore_errors=True)
+        for path in self.to_prune(current, self.keep):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

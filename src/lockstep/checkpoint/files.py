@@ -206,7 +206,5 @@ class CheckpointFiles(StepEntries):
 
     def prune(self, current: int) -> None:
         """Keep the newest `keep` checkpoints up to `current`; drop older and uncommitted ones."""
-        older = [s for s in self.steps_on_disk() if s <= current]
-        newer = [s for s in self.steps_on_disk() if s > current]
-        for step in older[self.keep :] + newer:
-            self.path_for(step).unlink(missing_ok=True)
+        for path in self.to_prune(current, self.keep):
+            path.unlink(missing_ok=True)

@@ -72,3 +72,10 @@ class StepEntries:
             if s > committed
         ]
         return [committed] + [s for s in steps if s < committed], notes
+
+    def to_prune(self, current: int, keep: int) -> list[Path]:
+        """Entries to remove after committing `current`: older than the newest `keep` up
+        to it, and any newer one (a save that was never committed)."""
+        steps = self.steps_on_disk()
+        older = [s for s in steps if s <= current]
+        return [self.path_for(s) for s in older[keep:] + [s for s in steps if s > current]]
