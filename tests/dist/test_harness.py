@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -28,6 +29,12 @@ def _hang_forever(ctx):
         time.sleep(3600)
 
 
+def _exit_early_on_rank_one(ctx):
+    if ctx.rank == 1:
+        os._exit(0)
+    return ctx.rank
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_results_per_rank_match_native_all_reduce(world_size):
     results = run_ranks(_sum_of_ranks, world_size)
@@ -50,3 +57,9 @@ def test_hung_rank_fails_within_deadline():
     with pytest.raises(RankFailure, match="did not finish within 3 s"):
         run_ranks(_hang_forever, 2, deadline_s=3)
     assert time.monotonic() - start < 10
+
+
+def test_a_rank_that_exits_0_without_a_result_is_named():
+    with pytest.raises(RankFailure, match=r"ranks \[1\] exited with code 0") as info:
+        run_ranks(_exit_early_on_rank_one, 2)
+    assert info.value.failed_ranks == [1]

@@ -137,10 +137,7 @@ def run_ranks(
             for proc in procs:
                 proc.start()
             _wait(procs, workdir, deadline_s)
-            return [
-                torch.load(Path(workdir) / f"result_{r}.pt", weights_only=False)
-                for r in range(world_size)
-            ]
+            return _results(workdir, world_size)
         finally:
             _reap(procs)
 
@@ -159,6 +156,19 @@ def _wait(procs: list[mp.Process], workdir: str, deadline_s: float) -> None:
             _raise_failure(procs, workdir, reason="failed")
         time.sleep(0.02)
     _raise_failure(procs, workdir, reason=f"did not finish within {deadline_s:.0f} s")
+
+
+def _results(workdir: str, world_size: int) -> list[Any]:
+    """Each rank's result; a rank that exited 0 without writing one is a failure too."""
+    paths = [Path(workdir) / f"result_{rank}.pt" for rank in range(world_size)]
+    missing = [rank for rank, path in enumerate(paths) if not path.exists()]
+    if missing:
+        raise RankFailure(
+            f"ranks {missing} exited with code 0 but returned no result (os._exit inside "
+            "the rank's function?); expected every rank to return from it",
+            missing,
+        )
+    return [torch.load(path, weights_only=False) for path in paths]
 
 
 def _raise_failure(procs: list[mp.Process], workdir: str, reason: str) -> None:
