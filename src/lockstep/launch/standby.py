@@ -20,6 +20,7 @@ import sys
 
 from lockstep.launch import bootstrap
 from lockstep.launch.spares import BOOTSTRAP
+from lockstep.runtime import live
 
 # Imported before any rank is known: no side effect that depends on the worker's
 # environment. torch._dynamo is the first wrap's lazy import (seconds on a busy machine).
@@ -85,7 +86,9 @@ def main(argv: list[str]) -> None:
     os.close(fd)
     if assignment is None:
         return
-    bootstrap.main(_become(assignment))
+    argv = _become(assignment)
+    live.reset()  # its one record of the environment at import (the generation)
+    bootstrap.main(argv)
 
 
 if __name__ == "__main__":
