@@ -100,7 +100,5 @@ def test_spares_need_live_recovery():
         run_config(parser.parse_args(["run", "--spares", "1", SCRIPT]))
     with pytest.raises(ValueError, match="--spares must be at least 0; found -1"):
         run_config(parser.parse_args(["run", "--live-recovery", "--spares", "-1", SCRIPT]))
-    assert (
-        run_config(parser.parse_args(["run", "--live-recovery", "--spares", "2", SCRIPT])).spares
-        == 2
-    )
+    flags = ["run", "--live-recovery", "--spares", "2", SCRIPT]
+    assert run_config(parser.parse_args(flags)).spares == 2
