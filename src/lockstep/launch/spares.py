@@ -102,6 +102,7 @@ class SparePool:
         for spare in self._idle:
             _kill(spare.proc)
             os.close(spare.pipe)
+            log.info("spare pid %d ended with the run", spare.proc.pid)
         self._idle = []
 
     def _start(self) -> Spare:
