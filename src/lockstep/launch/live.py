@@ -7,7 +7,8 @@ worker store (`lockstep.regroup` keys, posted by `runtime/live.py`), is replaced
 place: a new process with the same rank, arguments and environment plus its
 generation; then the generation is announced in the store, where the survivors wait
 for it. Anything else is left to torch's poll, that is today's whole-group restart,
-and the reason is logged in one line.
+and the reason is logged in one line. With `--spares K` an idle standby process
+takes the rank instead of a new one (`launch/spares.py`).
 """
 
 from __future__ import annotations

@@ -87,15 +87,19 @@ class SparePool:
         """
         self._drop_dead()
         message = json.dumps(assignment).encode()
-        if not self._idle or len(message) > self._idle[0].capacity:
-            return None
-        spare = self._idle.pop(0)
-        try:
-            os.write(spare.pipe, message)  # whole: it fits in the pipe's buffer
-        finally:
-            os.close(spare.pipe)
-        log.warning("spare pid %d takes local rank %d", spare.proc.pid, local_rank)
-        return SpareHandler(spare.proc, local_rank)
+        while self._idle and len(message) <= self._idle[0].capacity:
+            spare = self._idle.pop(0)
+            try:
+                os.write(spare.pipe, message)  # whole: it fits in the pipe's buffer
+            except OSError as error:  # it died since: the next one
+                log.warning("spare pid %d could not be given its rank: %s", spare.proc.pid, error)
+                _kill(spare.proc)
+                continue
+            finally:
+                os.close(spare.pipe)
+            log.warning("spare pid %d takes local rank %d", spare.proc.pid, local_rank)
+            return SpareHandler(spare.proc, local_rank)
+        return None
 
     def close(self) -> None:
         """Kill and reap every idle spare (the run is over)."""
@@ -157,12 +161,13 @@ def start_worker(
         "stdout": stdout or "",
         "stderr": stderr or "",
     }
-    ours = tuple(args[: len(BOOTSTRAP)]) == BOOTSTRAP  # bootstrap's worker
+    # a spare runs this interpreter and lockstep's bootstrap, as lockstep run's workers do
+    ours = pcontext.entrypoint == sys.executable and tuple(args[: len(BOOTSTRAP)]) == BOOTSTRAP
     handler = pool.assign(local_rank, assignment) if pool is not None and ours else None
     if handler is not None:
         return handler
     if pool is not None:
-        log.warning("no idle spare for local rank %d: starting a new process", local_rank)
+        log.warning("no idle spare for local rank %d: a new process takes it", local_rank)
     return get_subprocess_handler(
         entrypoint=pcontext.entrypoint,
         args=pcontext.args[local_rank],
