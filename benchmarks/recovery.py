@@ -29,6 +29,7 @@ import torch
 
 SCRIPT = str(Path(__file__).with_name("recovery_train.py"))
 MODES = {"live": ["--live-recovery"], "restart": ["--max-restarts", "1"]}
+MODES["spare"] = ["--live-recovery", "--spares", "1"]  # live, a standby worker takes the rank
 TIMEOUT_S = 300
 
 

@@ -108,8 +108,10 @@ class LockstepAgent(LocalElasticAgent):
                 continue
 
     def close(self) -> None:
-        """Stop the heartbeat thread (the launcher is about to leave)."""
+        """Stop the heartbeat thread and the idle spares (the launcher is about to leave)."""
         self._stop_beating.set()
+        if self._live is not None:
+            self._live.close()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         # The join's last store call may start just before its deadline and wait for two.

@@ -74,7 +74,7 @@ def record(exc: BaseException) -> str:
     return text
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """SIGKILL this process when `parent` exits (Linux); exit now if it already has."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -87,7 +87,7 @@ def _die_with(parent: int) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--parent"]:
-        _die_with(int(argv[1]))
+        die_with(int(argv[1]))
         argv = argv[2:]
     # A crash in native code (SIGABRT, SIGSEGV) raises nothing to record: print every
     # thread's Python stack to stderr instead, so the launcher's log shows where it was.

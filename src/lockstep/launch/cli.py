@@ -68,6 +68,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "docs/multinode.md, 'Live recovery'); anything else restarts the whole group",
     )
     run.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with --live-recovery: keep this many standby workers per node that have "
+        "imported torch and lockstep and take a lost rank (docs/multinode.md)",
+    )
+    run.add_argument(
         "--engine",
         choices=["torch", "lockstep"],
         default=None,
@@ -149,6 +156,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         exit_grace_s=ns.exit_grace,
         extra_env=_extra_env(ns),
         live_recovery=ns.live_recovery,
+        spares=ns.spares,
     )
 
 

@@ -53,6 +53,7 @@ class RunConfig:
         exit_grace_s: seconds a worker may take to exit after its script ended well,
             before it is named with its stack and ended (`lockstep.launch.exitwatch`).
         live_recovery: replace a lost worker live, keeping the others (`launch/live.py`).
+        spares: standby workers per node that take a lost rank (`launch/spares.py`).
         secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
             alone generates one): `lockstep.launch.secret`.
     """
@@ -72,6 +73,7 @@ class RunConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
     live_recovery: bool = False
+    spares: int = 0
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     secret_file: str | None = None
 
@@ -106,6 +108,7 @@ class RunConfig:
         if not self.master_addr:
             raise ValueError("--master-addr must name the master node; found an empty string")
         self._check_stall_timeout()
+        self._check_spares()
 
     def _check_stall_timeout(self) -> None:
         if self.live_recovery and self.nnodes > 1:
@@ -119,6 +122,15 @@ class RunConfig:
             )
         if self.exit_grace_s <= 0:
             raise ValueError(f"--exit-grace must be > 0 seconds; found {self.exit_grace_s}")
+
+    def _check_spares(self) -> None:
+        if self.spares < 0:
+            raise ValueError(f"--spares must be at least 0; found {self.spares}")
+        if self.spares and not self.live_recovery:
+            raise ValueError(
+                f"--spares {self.spares} needs --live-recovery (a spare takes the rank of a "
+                "worker replaced live); add the flag or drop --spares"
+            )
 
     @property
     def world_size(self) -> int:

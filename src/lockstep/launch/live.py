@@ -7,7 +7,8 @@ worker store (`lockstep.regroup` keys, posted by `runtime/live.py`), is replaced
 place: a new process with the same rank, arguments and environment plus its
 generation; then the generation is announced in the store, where the survivors wait
 for it. Anything else is left to torch's poll, that is today's whole-group restart,
-and the reason is logged in one line.
+and the reason is logged in one line. With `--spares K` an idle standby process
+takes the rank instead of a new one (`launch/spares.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
-from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from lockstep import regroup
+from lockstep.launch.spares import SparePool, start_worker
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
@@ -47,7 +48,8 @@ class LiveReplacer:
         recoveries: (generation, seconds from the death seen to every rank joined).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spares: SparePool | None = None) -> None:
+        self.spares = spares  # standby workers (--spares), taken before a new process
         self.generation = 0
         self.recoveries: list[tuple[int, float]] = []
         self._store: dist.Store | None = None
@@ -61,6 +63,8 @@ class LiveReplacer:
         """Replace failed workers live when possible; otherwise leave them to torch's poll."""
         world_size = len(worker_group.workers)  # one node: every rank is local
         self._check_joined(worker_group, world_size)
+        if self.spares is not None:
+            self.spares.refill(recovering=self._pending is not None)
         failed = {
             local_rank: handler.proc.returncode
             for local_rank, handler in pcontext.subprocess_handlers.items()
@@ -112,14 +116,7 @@ class LiveReplacer:
         for local_rank, code in sorted(failed.items()):
             old = pcontext.subprocess_handlers[local_rank]
             env = {**pcontext.envs[local_rank], regroup.GENERATION_VARIABLE: str(self.generation)}
-            handler = get_subprocess_handler(
-                entrypoint=pcontext.entrypoint,
-                args=pcontext.args[local_rank],
-                env=env,
-                stdout=pcontext.stdouts.get(local_rank),
-                stderr=pcontext.stderrs.get(local_rank),
-                local_rank_id=local_rank,
-            )
+            handler = start_worker(self.spares, pcontext, local_rank, env)
             pcontext.subprocess_handlers[local_rank] = handler
             group.workers[local_rank].id = handler.proc.pid
             log.warning(
@@ -130,6 +127,11 @@ class LiveReplacer:
         announcement = {"generation": self.generation, "replaced": ranks}
         self._worker_store(group).set(regroup.ANNOUNCE_KEY, json.dumps(announcement))
         self._pending = (self.generation, time.monotonic())
+
+    def close(self) -> None:
+        """The run is over: end the idle spares."""
+        if self.spares is not None:
+            self.spares.close()
 
     def _check_joined(self, group: WorkerGroup, world_size: int) -> None:
         """Log the end of a recovery once every rank is in the new generation."""

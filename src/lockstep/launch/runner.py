@@ -42,6 +42,7 @@ from lockstep.launch.preflight import check_master, find_route
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
 from lockstep.launch.report import summarize
 from lockstep.launch.secret import Signer, load_secret
+from lockstep.launch.spares import SparePool
 from lockstep.launch.stall import StallWatch
 from lockstep.launch.store import BoundedStore
 from lockstep.launch.watchdog import Watchdog
@@ -136,8 +137,14 @@ def _agent(
         watchdog=watchdog,
         stalls=stalls,
         exits=exits,
-        live=LiveReplacer() if cfg.live_recovery else None,
+        live=_live(cfg),
     )
+
+
+def _live(cfg: RunConfig) -> LiveReplacer | None:
+    if not cfg.live_recovery:
+        return None
+    return LiveReplacer(SparePool(cfg.spares) if cfg.spares else None)
 
 
 def _describe_start(cfg: RunConfig, me: NodeInfo, route: Route, ifname: str) -> None:

@@ -84,6 +84,13 @@ class _Registry:
 _live = _Registry()
 
 
+def reset() -> None:
+    """A fresh registry, its generation read again (`lockstep.launch.standby`: a spare
+    imported this module before the launcher gave it a rank and a generation)."""
+    global _live
+    _live = _Registry()
+
+
 def enabled() -> bool:
     """True under `lockstep run --live-recovery`."""
     return regroup.live_enabled()
