@@ -27,6 +27,11 @@ class LiveDDP:
     def steps(self) -> int:
         return self.ddp.reducer.driver.steps
 
+    @property
+    def module(self) -> Any:
+        """The wrapped module, whose state a plain hand-over sends (`runtime/live_plain.py`)."""
+        return self.ddp.module
+
     def refusal(self) -> str | None:
         """Why this wrapper cannot be recovered live in this version, or None."""
         ddp, args = self.ddp, self.ddp._args

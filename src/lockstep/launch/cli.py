@@ -68,6 +68,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "docs/multinode.md, 'Live recovery'); anything else restarts the whole group",
     )
     run.add_argument(
+        "--replace-stuck",
+        action="store_true",
+        help="with --live-recovery: a worker the stall watch declares stuck gets SIGKILL "
+        "and is replaced live, instead of ending the round",
+    )
+    run.add_argument(
         "--engine",
         choices=["torch", "lockstep"],
         default=None,
@@ -149,6 +155,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         exit_grace_s=ns.exit_grace,
         extra_env=_extra_env(ns),
         live_recovery=ns.live_recovery,
+        replace_stuck=ns.replace_stuck,
     )
 
 
