@@ -59,7 +59,12 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
 
         checkpoints._ranks.wait_for_rank0 = dying_barrier
     elif where == "hang":
-        model[2].register_forward_pre_hook(lambda *_: when[0] and time.sleep(3600))
+
+        def hang(*_: object) -> None:
+            while when[0]:
+                time.sleep(1)
+
+        model[2].register_forward_pre_hook(hang)
     else:
         arm_kill(model, optimizer, where, when)
 

@@ -121,7 +121,8 @@ def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None
     live_sampler.received(components.get("sampler"))
     rng.restore(payload["rng"][dist.get_rank()])
     checkpointer.extra = payload.get("extra")
-    live.adopt_received(bundle["engines"])
+    continues = live_sampler.continues(payload.get("sampler"))
+    live.adopt_received([{**state, "continues": continues} for state in bundle["engines"]])
     finished = int(bundle["finished"])
     engine_steps = int(bundle["engines"][0]["steps"]) if bundle["engines"] else 0
     _install(LiveState(checkpointer, model, components, finished - engine_steps))

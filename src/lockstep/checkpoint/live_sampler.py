@@ -36,3 +36,12 @@ def received(sampler: Any) -> None:
     inner = getattr(sampler, "sampler", sampler)  # `shard()`'s loader or the sampler
     if isinstance(inner, ShardedSampler):
         inner.agreed_elsewhere()
+
+
+def continues(state: Any) -> bool:
+    """Whether the next pass of a sampler in `state` goes on with an epoch begun already
+    (the engine's count of data passes then stays; `runtime/data_passes.py`); True
+    when unknown (no sampler, or not lockstep's)."""
+    if not isinstance(state, dict) or not {"position", "num_samples"} <= state.keys():
+        return True
+    return 0 < int(state["position"]) < int(state["num_samples"])
