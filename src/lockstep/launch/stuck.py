@@ -5,8 +5,9 @@ while their peers wait in a collective; alone, it ends the round and the whole g
 restarts. `StuckReplacer` is that watch with one more act: once the stuck workers'
 stacks are in the log, each gets SIGKILL, so its peers' wait fails as at any other
 loss and `LiveReplacer` (`launch/live.py`) replaces it at the agent's next look. Until
-a replacement has noted progress of its own, its start is not taken for a stall. A
-stall where every local worker waits (the stuck rank is elsewhere) still ends the round.
+a replacement (of this loss or any other) has noted progress of its own, its start is
+not taken for a stall. A stall where every local worker waits (the stuck rank is
+elsewhere) still ends the round.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class StuckReplacer(StallWatch):
 
     def reset(self) -> None:
         super().reset()
-        self._replacing: dict[int, progress.Record | None] = {}  # local rank -> record at kill
+        self._replacing: dict[int, progress.Record | None] = {}  # local rank -> record then
+        self._pids: dict[int, int | None] = {}
 
     def check(self, workers: list[Worker], node_rank: int, host: str) -> Stall | None:
         """None when nothing is stuck or the stuck workers were killed for replacement."""
@@ -56,8 +58,16 @@ class StuckReplacer(StallWatch):
         return None
 
     def _still_replacing(self, workers: list[Worker]) -> bool:
-        """Forget each replacement once its record changed; True while one has not."""
+        """Forget each replacement once its record changed; True while one has not.
+
+        A worker whose pid changed was replaced live (any loss, not only a stuck one):
+        its record is still the lost process's until the replacement writes its own.
+        """
         for worker in workers:
+            if self._pids.setdefault(worker.local_rank, worker.id) != worker.id:
+                record = progress.read(self._progress(worker))
+                self._replacing.setdefault(worker.local_rank, record)
+                self._pids[worker.local_rank] = worker.id
             if worker.local_rank in self._replacing:
                 before = self._replacing[worker.local_rank]
                 if progress.read(self._progress(worker)) != before:
