@@ -15,12 +15,19 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
 from lockstep.errors import LockstepError
 from lockstep.runtime import live
+
+
+@runtime_checkable
+class SaveServer(Protocol):
+    """A survivor's hand-over that can tell the replacement to run a save again."""
+
+    interrupted_save: tuple[int, Any] | None  # (step, extra) or None
 
 
 def _lost_peer(error: BaseException) -> bool:
@@ -35,16 +42,16 @@ def save(checkpointer: Any, step: int, components: dict[str, Any], extra: Any) -
         return checkpointer._save(step, components, extra)
     except RuntimeError as error:
         server = live.server()
-        if not _lost_peer(error) or not hasattr(server, "interrupted_save"):
-            raise  # no restore() to redo the save in: the whole-group restart
+        if not _lost_peer(error) or not isinstance(server, SaveServer):
+            raise  # no restore() to run the save again in: the whole-group restart
         start = time.monotonic()
         replaced = live.rejoin(error)
         committed = checkpointer.files.committed_step()[0] == step
-        server.interrupted_save = None if committed else (step, extra)  # type: ignore[union-attr]
+        server.interrupted_save = None if committed else (step, extra)
         try:
             live.hand_over(replaced)
         finally:
-            server.interrupted_save = None  # type: ignore[union-attr]
+            server.interrupted_save = None
         print(
             f"lockstep [rank {dist.get_rank()}]: live recovery: generation {live.generation()}, "
             f"rank(s) {replaced} replaced inside the save of step {step}, which "
