@@ -1,12 +1,13 @@
-"""Live recovery at the remaining fault points, against one uninterrupted run each.
+"""Live recovery at the remaining fault points, each run against one uninterrupted run.
 
-Real launchers, real kills (`train_live_faults.py`, `train_live_plain.py`): a rank lost
-inside a checkpoint write (the writer between its temporary file and the rename, a
-non-writer before the save's barrier), a stuck rank (`--replace-stuck`), a replacement
-that dies before it joins (the whole-group restart, with its one-line reason), and a
-script without Checkpointer. Each run ends bitwise equal to the oracle: parameters and
-Adam state, the sample ids each rank consumed step by step (the sampler's place went
-over live: none skipped, none twice), and every checkpoint file, generators included.
+Real launchers, real kills (`train_live_faults.py`, `train_live_plain.py`). One run
+goes through four generations: a kill in backward (the sampler's place goes over), the
+writer killed between its temporary file and the rename, a rank stuck in forward
+(`--replace-stuck`), a non-writer killed before the save's barrier. It ends bitwise
+equal to the oracle: parameters and Adam state, the sample ids each rank consumed step
+by step (none skipped, none twice), and every checkpoint file, generators included.
+A replacement that dies before it joins falls back to the whole-group restart with its
+one-line reason; a script without Checkpointer gets the weights and the step count.
 """
 
 from __future__ import annotations
@@ -67,42 +68,42 @@ def _assert_same_checkpoints(out: Path, oracle: Path) -> None:
     assert files.find_latest("cpu")[0] == files.path_for(7)
 
 
-# kill -> (processes that ran, lines the log must hold)
-LIVE = {
-    # the sampler's place in generation 1; then the writer dies mid-write, the save runs again
-    "1:2:backward,0:3:save": (
-        ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
-        ["[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of "
-         "step 3, which runs again"],
-    ),
-    # a non-writer dies before the save's barrier (committed already); then rank 0 hangs
-    "1:3:save,0:5:hang": (
-        ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
-        ["[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside the save of "
-         "step 3, which was committed already",
-         "replace-stuck: rank 0 (pid", "live recovery: rank 0 (pid",
-         "started pid", "[rank 1]: live recovery: generation 2"],
-    ),
-}  # fmt: skip
+# One run, four generations, against the oracle: the sampler's place (rank 1 dies in
+# backward at step 2), the writer dies mid-write at step 3 (the save runs again), rank 0
+# hangs in forward at step 5 (--replace-stuck), a non-writer dies before the barrier of
+# the save of step 7 (committed already).
+KILLS = "1:2:backward,0:3:save,0:5:hang,1:7:save"
+PROCESSES = ["0.0.0", "0.2.0", "0.3.0", "1.0.0", "1.1.0", "1.4.0"]
+LINES = [
+    "[rank 0]: live recovery: generation 1, rank(s) [1] replaced; step 3 finished again",
+    "[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of step 3, "
+    "which runs again",
+    "Stuck: rank 0 (last after step 5",
+    "replace-stuck: rank 0 (pid",
+    "live recovery: rank 0 (pid",
+    "as rank 0, generation 3",
+    "[rank 1]: live recovery: generation 3, rank(s) [0] replaced; step 6 finished again",
+    "[rank 0]: live recovery: generation 4, rank(s) [1] replaced inside the save of step 7, "
+    "which was committed already",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_saves_stuck_ranks_and_second_kills_against_one_oracle(tmp_path):
+def test_faults_in_four_generations_then_a_second_kill_against_one_oracle(tmp_path):
     oracle = tmp_path / "uninterrupted"
     _run(oracle, FAULTS, [])
+    out = tmp_path / "four_generations"
     flags = ["--live-recovery", "--replace-stuck", "--stall-timeout", "6"]
-    for kill, (processes, lines) in LIVE.items():
-        out = tmp_path / kill.replace(":", "_").replace(",", "+")
-        log = _run(out, FAULTS, flags, {"LOCKSTEP_TEST_KILL": kill})
-        for line in lines:
-            assert line in log, (kill, line, log)
-        assert "restart 1" not in log and "not possible" not in log, (kill, log)
-        assert _processes(out) == processes, (kill, log)
-        _assert_bitwise(out, oracle)
-        for rank in (0, 1):
-            assert _ids(out, rank) == _ids(oracle, rank), (kill, rank)
-        _assert_same_checkpoints(out, oracle)
+    log = _run(out, FAULTS, flags, {"LOCKSTEP_TEST_KILL": KILLS})
+    for line in LINES:
+        assert line in log, (line, log)
+    assert "restart 1" not in log and "not possible" not in log, log
+    assert _processes(out) == PROCESSES, log
+    _assert_bitwise(out, oracle)
+    for rank in (0, 1):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
+    _assert_same_checkpoints(out, oracle)
     # the replacement dies before it joins: a clean whole-group restart, said in one line
     out = tmp_path / "second_kill"
     env = {"LOCKSTEP_TEST_KILL": "1:2:backward", "LOCKSTEP_TEST_KILL_REPLACEMENT": "1:1"}

@@ -4,10 +4,11 @@
 
 The data comes from `lockstep.shard` over numbered samples (several epochs), and the
 sampler is handed to `Checkpointer.restore`; after each backward a rank appends the
-step and its sample ids to OUT/ids/<rank>.<generation>.<restart>. Faults, on top of
-`train_live.py`'s (LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]"): WHERE "save" (rank 0
-dies between the checkpoint's temporary file and its rename, another rank before the
-save's barrier) and "hang" (sleeps forever in forward); LOCKSTEP_TEST_KILL_REPLACEMENT=
+step and its sample ids to OUT/ids/<rank>.<generation>.<restart>. Faults
+(LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]", each for the process of RANK that runs
+STEP, replacements included): WHERE as in `train_live.py`, or "save" (rank 0 dies
+between the checkpoint's temporary file and its rename, another rank before the
+save's barrier), or "hang" (stays in forward); LOCKSTEP_TEST_KILL_REPLACEMENT=
 "RANK:GENERATION" makes that replacement die before it joins.
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from train_live import FEATURES, arm_kill, planned_kill
+from train_live import FEATURES, arm_kill
 
 import lockstep
 
@@ -69,6 +70,17 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
         arm_kill(model, optimizer, where, when)
 
 
+def planned_fault(rank: int, start: int, generation: int, restart: int) -> tuple[int, str]:
+    """(step, where) of this process's fault, or (-1, ""): the first item of its rank in
+    LOCKSTEP_TEST_KILL at or after its start step, after it for a replacement (which never
+    repeats the fault that made it); none after a whole-group restart."""
+    plans = filter(None, os.environ.get("LOCKSTEP_TEST_KILL", "").split(","))
+    for kill_rank, step, where in sorted((p.split(":") for p in plans), key=lambda p: int(p[1])):
+        if restart == 0 and int(kill_rank) == rank and int(step) >= start + (generation > 0):
+            return int(step), where
+    return -1, ""
+
+
 def replacement_dies(rank: int, generation: int) -> bool:
     plan = os.environ.get("LOCKSTEP_TEST_KILL_REPLACEMENT", "")
     return bool(plan) and plan == f"{rank}:{generation}"
@@ -106,11 +118,12 @@ def main() -> None:
     for folder in ("pids", "ids"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     (out / "pids" / name).write_text(str(os.getpid()))
-    kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
+    start = 0 if last is None else last + 1
+    kill_step, where = planned_fault(ctx.rank, start, generation, ctx.restart_count)
     armed = [False]
     arm_fault(model, optimizer, checkpoints, ctx.rank, where, armed)
     batches = endless(loader)
-    for step in range(0 if last is None else last + 1, args.steps):
+    for step in range(start, args.steps):
         armed[0] = step == kill_step
         ids, x, y = next(batches)
         optimizer.zero_grad()
