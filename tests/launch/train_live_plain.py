@@ -5,7 +5,8 @@
 Its whole state is the weights and the step number, which is what a live replacement
 of a script that never calls `Checkpointer.restore` receives: the loop starts at
 `ddp.finished_steps` (0 at the start, the survivors' count in a replacement). The same
-kills as `train_live.py` (LOCKSTEP_TEST_KILL); OUT/final_rank<R>.pt and OUT/pids/ alike.
+kills as `train_live.py` (LOCKSTEP_TEST_KILL), and LOCKSTEP_TEST_KILL_REPLACEMENT as
+`train_live_faults.py`; OUT/final_rank<R>.pt and OUT/pids/ alike.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from train_live import FEATURES, arm_kill, batch, planned_kill
+from train_live_faults import die, replacement_dies
 
 import lockstep
 
@@ -27,8 +29,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     out = Path(args.out)
-    ctx = lockstep.init()
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
+    if replacement_dies(int(os.environ["RANK"]), generation):
+        die()  # before init(): it never joins its generation
+    ctx = lockstep.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
     ddp = lockstep.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
