@@ -111,8 +111,8 @@ def register_engine(engine: LiveEngine) -> None:
     _live.engines.append(engine)
     if _live.pending is not None and len(_live.pending) == len(_live.engines):
         engine.adopt(_live.pending[-1])
-    elif joining() and live_plain.donor_is_plain(store(), _donor()):
-        adopt_received(live_plain.receive(engine.module, _donor()))  # no restore() will come
+    elif joining() and live_plain.donor_is_plain(store(), donor := _donor()):
+        adopt_received(live_plain.receive(engine.module, donor))  # no restore() will come
         post_joined()
     declare()
 
