@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.checkpoint import live as live_state
-from lockstep.checkpoint import rng
+from lockstep.checkpoint import live_save, rng
 from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
@@ -31,6 +31,8 @@ from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 from lockstep.runtime import live, progress
 from lockstep.sharded.engine import ShardedDataParallel
+
+DCP_REFUSAL = 'Checkpointer(format="dcp") is not handed over live; use the default format'
 
 
 class Checkpointer:
@@ -117,6 +119,8 @@ class Checkpointer:
                 live_state.saved(step)  # the live count of finished steps must agree
             if self._dcp is not None:
                 return self._dcp.save(step, components, extra)
+            if live.enabled():  # a rank lost inside the save: `checkpoint/live_save.py`
+                return live_save.save(self, step, components, extra)
             return self._save(step, components, extra)
 
     def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
@@ -183,6 +187,8 @@ class Checkpointer:
         if live.joining():  # a live replacement: the state comes from a survivor
             return live_state.receive(self, model, components)
         if self._dcp is not None:  # live recovery serves the single-file format only
+            if live.enabled():
+                live.register_refusal(DCP_REFUSAL)
             step = self._dcp.restore(model, components)
             self.extra = self._dcp.extra
             return step

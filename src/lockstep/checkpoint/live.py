@@ -12,17 +12,15 @@ Random state: each rank posts a copy of its generators (`checkpoint/rng.py`, abo
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from lockstep import regroup
-from lockstep.checkpoint import rng
+from lockstep.checkpoint import live_sampler, live_save, rng
 from lockstep.checkpoint.state import build_payload, load_component, load_model
-from lockstep.runtime import live
+from lockstep.runtime import live, live_wire
 from lockstep.sharded.engine import ShardedDataParallel
 
 RNG_KEY = "lockstep/live/rng/{rank}"
@@ -43,6 +41,8 @@ class LiveState:
         self.checkpointer, self.model, self.components = checkpointer, model, components
         self.offset = offset
         self.miscount: str | None = None
+        self.sampler = live_sampler.SamplerPlace(components.get("sampler"))
+        self.interrupted_save: tuple[int, Any] | None = None  # (step, extra): `live_save.py`
 
     def saved(self, step: int) -> None:
         """`save(step)` ran: the script's count and the engine's must agree, else refuse."""
@@ -58,8 +58,6 @@ class LiveState:
             return self.miscount
         if isinstance(self.model, ShardedDataParallel):
             return live.SHARDED_REFUSAL
-        if self.components.get("sampler") is not None:
-            return "a sampler given to Checkpointer.restore (its place is not yet handed over live)"
         return None
 
     def finished(self) -> int:
@@ -69,8 +67,8 @@ class LiveState:
         """Survivors: the donor broadcasts the state over the new default group."""
         blob = None
         if dist.get_rank() == donor:
-            blob = _pack(self._bundle())
-        _broadcast(blob, donor)
+            blob = live_wire.pack(self._bundle())
+        live_wire.broadcast(blob, donor)
 
     def _bundle(self) -> dict[str, Any]:
         finished = self.finished()
@@ -79,12 +77,14 @@ class LiveState:
         components = {"model": self.model, **self.components}
         payload = build_payload(max(finished - 1, 0), world, components, states, None)
         payload["extra"] = self.checkpointer.extra
+        payload["sampler"] = self.sampler.state  # as of the last finished step
         engines = [engine.state() for engine in live.engines()]
-        return {"payload": payload, "finished": finished, "engines": engines}
+        bundle = {"payload": payload, "finished": finished, "engines": engines}
+        return {**bundle, "save": self.interrupted_save}
 
     def post_rng(self) -> None:
         """This rank's generators, as they stand between two steps, kept in the store."""
-        live.store().set(RNG_KEY.format(rank=dist.get_rank()), _pack(rng.capture()))
+        live.store().set(RNG_KEY.format(rank=dist.get_rank()), live_wire.pack(rng.capture()))
 
 
 def register(checkpointer: Any, model: nn.Module, components: dict, step: int | None):
@@ -104,6 +104,7 @@ def saved(step: int) -> None:
 def _install(state: LiveState) -> None:
     state.post_rng()  # the generators at the first step
     live.add_after_step(state.post_rng)
+    live.add_after_step(state.sampler.take)
     live.set_server(state)
 
 
@@ -111,43 +112,25 @@ def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None
     """The replacement's `restore()`: load the donor's state; returns the last finished step."""
     _, replaced = regroup.read_announcement(live.store())
     donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
-    bundle = _unpack(_broadcast(None, donor))
+    bundle = live_wire.unpack(live_wire.broadcast(None, donor))
     payload = bundle["payload"]
     load_model(model, payload["model"], SOURCE)
     for name, component in components.items():
         if component is not None:
             load_component(component, payload.get(name), name, SOURCE)
+    live_sampler.received(components.get("sampler"))
     rng.restore(payload["rng"][dist.get_rank()])
     checkpointer.extra = payload.get("extra")
-    live.adopt_received(bundle["engines"])
+    continues = live_sampler.continues(payload.get("sampler"))
+    live.adopt_received([{**state, "continues": continues} for state in bundle["engines"]])
     finished = int(bundle["finished"])
     engine_steps = int(bundle["engines"][0]["steps"]) if bundle["engines"] else 0
     _install(LiveState(checkpointer, model, components, finished - engine_steps))
     live.post_joined()
+    live_save.finish(checkpointer, model, components, bundle.get("save"))
     return finished - 1 if finished > 0 else None
-
-
-def _pack(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _read_rng(rank: int) -> Any:
     store, key = live.store(), RNG_KEY.format(rank=rank)
-    return _unpack(store.get(key)) if store.check([key]) else None
-
-
-def _broadcast(data: bytes | None, src: int) -> bytes:
-    """`data` from `src` to every rank of the default group (size first, then bytes)."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src=src)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    if data is not None:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=src)
-    return buffer.numpy().tobytes()
+    return live_wire.unpack(store.get(key)) if store.check([key]) else None

@@ -201,6 +201,11 @@ class ShardedSampler(Sampler[int]):
         self.seed = int(statements[0]["seed used"] or 0)
         self._agreed = True
 
+    def agreed_elsewhere(self) -> None:
+        """Skip the first pass's check: a live replacement's peers agreed long ago, and its
+        state (seed included) came from one of them (`checkpoint/live_sampler.py`)."""
+        self._agreed = True
+
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch stands: plain ints and bools, the same on every rank."""
         return {

@@ -22,10 +22,22 @@ class LiveDDP:
 
     def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel (imports us)
         self.ddp = ddp
+        self.passes = 0  # data passes as of the last finished step (`runtime/data_passes.py`)
+        driver = ddp.reducer.driver
+        if driver.data_passes is not None:
+            driver.end_of_step.append(self._note_passes)
+
+    def _note_passes(self) -> None:
+        self.passes = self.ddp.reducer.driver.data_passes.seen
 
     @property
     def steps(self) -> int:
         return self.ddp.reducer.driver.steps
+
+    @property
+    def module(self) -> Any:
+        """The wrapped module, whose state a plain hand-over sends (`runtime/live_plain.py`)."""
+        return self.ddp.module
 
     def refusal(self) -> str | None:
         """Why this wrapper cannot be recovered live in this version, or None."""
@@ -50,13 +62,17 @@ class LiveDDP:
     def state(self) -> dict[str, Any]:
         reducer = self.ddp.reducer
         groups, rebuilt = reducer.live_layout()
-        return {"steps": reducer.driver.steps, "groups": groups, "rebuilt": rebuilt}
+        steps = reducer.driver.steps
+        return {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
 
     def adopt(self, state: dict[str, Any]) -> None:
         """A replacement takes a survivor's step count and bucket layout."""
         reducer = self.ddp.reducer
         reducer.adopt_layout(state["groups"], state["rebuilt"])
         reducer.driver.steps = int(state["steps"])
+        if reducer.driver.data_passes is not None:  # the first pass continues a resumed epoch
+            self.passes = int(state["passes"])  # unless the sampler says it starts a new one
+            reducer.driver.data_passes.adopt(self.passes, state.get("continues", True))
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""

@@ -73,6 +73,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="with --live-recovery: keep this many standby workers per node that have "
         "imported torch and lockstep and take a lost rank (docs/multinode.md)",
+        "--replace-stuck",
+        action="store_true",
+        help="with --live-recovery: a worker the stall watch declares stuck gets SIGKILL "
+        "and is replaced live, instead of ending the round",
     )
     run.add_argument(
         "--engine",
@@ -157,6 +161,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         extra_env=_extra_env(ns),
         live_recovery=ns.live_recovery,
         spares=ns.spares,
+        replace_stuck=ns.replace_stuck,
     )
 
 

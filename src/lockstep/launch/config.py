@@ -54,6 +54,8 @@ class RunConfig:
             before it is named with its stack and ended (`lockstep.launch.exitwatch`).
         live_recovery: replace a lost worker live, keeping the others (`launch/live.py`).
         spares: standby workers per node that take a lost rank (`launch/spares.py`).
+        replace_stuck: with live_recovery, a worker the stall watch declares stuck is
+            killed and replaced live instead of ending the round (`launch/stuck.py`).
         secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
             alone generates one): `lockstep.launch.secret`.
     """
@@ -74,6 +76,7 @@ class RunConfig:
     trace_dir: str | None = None
     live_recovery: bool = False
     spares: int = 0
+    replace_stuck: bool = False
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     secret_file: str | None = None
 
@@ -115,6 +118,12 @@ class RunConfig:
             raise ValueError(
                 f"--live-recovery covers one node in this version; found --nnodes {self.nnodes}. "
                 "Drop the flag: a lost worker then restarts the whole group (--max-restarts)."
+            )
+        if self.replace_stuck and not (self.live_recovery and self.stall_timeout_s):
+            raise ValueError(
+                "--replace-stuck replaces a stuck worker live: it needs --live-recovery and the "
+                f"stall watch (--stall-timeout > 0); found --live-recovery "
+                f"{'on' if self.live_recovery else 'off'}, --stall-timeout {self.stall_timeout_s:g}"
             )
         if self.stall_timeout_s < 0:
             raise ValueError(

@@ -62,6 +62,7 @@ class Stall:
 
     failures: list[WorkerFailure]
     message: str
+    stuck: tuple[int, ...] = ()  # local ranks of the stuck workers (none: all wait)
 
 
 class StallWatch:
@@ -106,7 +107,8 @@ class StallWatch:
             self._stuck(w, records[w.local_rank], waits, quiet, node_rank, host) for w in stuck
         ]
         failures += [_waiter(w, records[w.local_rank], quiet, node_rank, host) for w in waiting]
-        return Stall(failures, self._message(stuck, records, waits, quiet))
+        message = self._message(stuck, records, waits, quiet)
+        return Stall(failures, message, tuple(w.local_rank for w in stuck))
 
     def _progress(self, worker: Worker) -> Path:
         return progress.path_for(self.directory, worker.local_rank)

@@ -15,6 +15,7 @@ from lockstep.launch.config import RunConfig
 from lockstep.launch.exitwatch import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.stall import StallWatch
+from lockstep.launch.stuck import StuckReplacer
 from lockstep.runtime import progress
 
 
@@ -24,7 +25,8 @@ def stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
         return None
     directory.mkdir(exist_ok=True)
     os.environ[progress.DIR_VARIABLE] = str(directory)
-    return StallWatch(directory, cfg.stall_timeout_s, cfg.nnodes)
+    watch = StuckReplacer if cfg.replace_stuck else StallWatch  # `launch/stuck.py`
+    return watch(directory, cfg.stall_timeout_s, cfg.nnodes)
 
 
 def exit_watch(cfg: RunConfig, directory: Path) -> ExitWatch:

@@ -22,6 +22,7 @@ from torch.utils.data import dataloader
 _serials = itertools.count(1)
 _last_serial = [0]  # the pass that yielded the most recent batch in this process
 _installed = [False]
+_CONTINUES = -1  # `DataPasses.adopt`: the next pass seen is the one counted already
 
 
 def install() -> None:
@@ -59,6 +60,11 @@ class DataPasses:
         """Called at each synchronised forward; returns the count of passes so far."""
         serial = _last_serial[0]
         if serial != self._current:
+            self.seen += self._current != _CONTINUES
             self._current = serial
-            self.seen += 1
         return self.seen
+
+    def adopt(self, seen: int, continues: bool) -> None:
+        """A live replacement takes a peer's count as of the last finished step; its first
+        pass continues the peer's pass (a resumed epoch) or is a new one."""
+        self.seen, self._current = seen, _CONTINUES if continues else 0

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lockstep import regroup
 from lockstep.env import read_seconds, read_timeout
 from lockstep.errors import LockstepError
-from lockstep.runtime import waits
+from lockstep.runtime import live_plain, waits
 
 if TYPE_CHECKING:
     from lockstep.runtime.bucket import Bucket
@@ -46,6 +46,7 @@ class LiveEngine(Protocol):
     """An engine's part: its step count, what a replacement adopts, its group references."""
 
     steps: int
+    module: torch.nn.Module
 
     def refusal(self) -> str | None: ...
     def state(self) -> dict[str, Any]: ...
@@ -117,6 +118,9 @@ def register_engine(engine: LiveEngine) -> None:
     _live.engines.append(engine)
     if _live.pending is not None and len(_live.pending) == len(_live.engines):
         engine.adopt(_live.pending[-1])
+    elif joining() and live_plain.donor_is_plain(store(), donor := _donor()):
+        adopt_received(live_plain.receive(engine.module, donor))  # no restore() will come
+        post_joined()
     declare()
 
 
@@ -156,9 +160,8 @@ def refusal() -> str | None:
             f"live recovery needs exactly one lockstep.DistributedDataParallel; found "
             f"{len(_live.engines)}"
         )
-    if _live.server is None:
-        return "the script has not called Checkpointer.restore(), which hands the state over"
-    return _live.engines[0].refusal() or _live.server.refusal()
+    server = _live.server  # None: no restore(), the plain hand-over (`live_plain.py`)
+    return _live.engines[0].refusal() or (server.refusal() if server is not None else None)
 
 
 def declare() -> None:
@@ -166,6 +169,7 @@ def declare() -> None:
     if not enabled() or not dist.is_initialized():
         return
     key = regroup.READY_KEY.format(rank=dist.get_rank())
+    live_plain.post_handover(store(), dist.get_rank(), plain=_live.server is None)
     store().set(key, refusal() or "")
 
 
@@ -175,6 +179,44 @@ def adopt_received(states: list[dict[str, Any]]) -> None:
     regroup.mark_received()
     for engine, state in zip(_live.engines, states, strict=False):
         engine.adopt(state)
+
+
+def _donor(replaced: list[int] | None = None) -> int:
+    """The lowest surviving rank, which sends the state."""
+    if replaced is None:
+        _, replaced = regroup.read_announcement(store())
+    return min(r for r in range(dist.get_world_size()) if r not in replaced)
+
+
+def rejoin(error: BaseException) -> list[int]:
+    """Join the launcher's next generation; returns the replaced ranks.
+
+    Raises:
+        error: this rank is not recoverable, or no generation was announced in time.
+    """
+    if refusal() is not None:
+        raise error
+    wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
+    try:
+        new, replaced = regroup.await_generation(store(), _live.generation, wait_s)
+    except TimeoutError:
+        raise error from None
+    group = regroup.reform(store(), new, read_timeout())
+    _live.generation = new
+    for engine in _live.engines:
+        engine.regroup(group)
+    return replaced
+
+
+def hand_over(replaced: list[int]) -> None:
+    """Survivors, after `rejoin`: the donor sends the state; then this rank has joined."""
+    server = _live.server or live_plain.PlainServer(_live.engines)
+    server.serve(_donor(replaced), replaced)
+    post_joined()
+
+
+def generation() -> int:
+    return _live.generation
 
 
 def post_joined() -> None:
@@ -195,26 +237,14 @@ class LiveSteps:
 
     def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
-        reason = refusal()
-        if reason is not None or isinstance(error, LockstepError):
+        if isinstance(error, LockstepError):
             raise error
         start = time.monotonic()
-        wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
-        try:
-            new, replaced = regroup.await_generation(store(), _live.generation, wait_s)
-        except TimeoutError:
-            raise error from None
-        group = regroup.reform(store(), new, read_timeout())
-        _live.generation = new
-        for engine in _live.engines:
-            engine.regroup(group)
-        assert _live.server is not None
-        donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
-        _live.server.serve(donor, replaced)
-        post_joined()
+        replaced = rejoin(error)
+        hand_over(replaced)
         self._relaunch(driver, step)
         print(
-            f"lockstep [rank {dist.get_rank()}]: live recovery: generation {new}, rank(s) "
+            f"lockstep [rank {dist.get_rank()}]: live recovery: generation {generation()}, rank(s) "
             f"{replaced} replaced; step {driver.steps + 1} finished again after "
             f"{time.monotonic() - start:.2f} s standing still",
             file=sys.stderr,

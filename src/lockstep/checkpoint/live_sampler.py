@@ -1,0 +1,47 @@
+"""The sampler's place under live recovery: taken at each step's end, handed over as is.
+
+A survivor is recovered inside a step whose batch its loader has already handed out,
+so its sampler's state at that moment counts one batch more than the steps finished.
+`SamplerPlace` copies the state at the end of every synchronised step instead (the
+same moment the random state is copied); the donor sends that copy, and the
+replacement resumes at the interrupted step's batch: no sample skipped or seen twice.
+A `ShardedSampler` states plain ints, the same on every rank, so the donor's copy
+fits the replacement; its first pass then skips the agreement the others made.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from lockstep.data.sampler import ShardedSampler
+
+
+class SamplerPlace:
+    """The state of the sampler given to `restore()` as of the last finished step."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.state: Any = None
+        self.take()
+
+    def take(self) -> None:
+        """Copy the sampler's state now (between two steps, or at `restore()`)."""
+        if self.sampler is not None:
+            self.state = copy.deepcopy(self.sampler.state_dict())
+
+
+def received(sampler: Any) -> None:
+    """A replacement loaded its sampler from a peer: no first-pass agreement of its own."""
+    inner = getattr(sampler, "sampler", sampler)  # `shard()`'s loader or the sampler
+    if isinstance(inner, ShardedSampler):
+        inner.agreed_elsewhere()
+
+
+def continues(state: Any) -> bool:
+    """Whether the next pass of a sampler in `state` goes on with an epoch begun already
+    (the engine's count of data passes then stays; `runtime/data_passes.py`); True
+    when unknown (no sampler, or not lockstep's)."""
+    if not isinstance(state, dict) or not {"position", "num_samples"} <= state.keys():
+        return True
+    return 0 < int(state["position"]) < int(state["num_samples"])

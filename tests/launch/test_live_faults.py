@@ -1,0 +1,142 @@
+"""Live recovery at the remaining fault points, each run against one uninterrupted run.
+
+Real launchers, real kills (`train_live_faults.py`, `train_live_plain.py`). One run
+goes through four generations: a kill in backward (the sampler's place goes over), the
+writer killed between its temporary file and the rename, a rank stuck in forward
+(`--replace-stuck`), a non-writer killed before the save's barrier. It ends bitwise
+equal to the oracle: parameters and Adam state, the sample ids each rank consumed step
+by step (none skipped, none twice), and every checkpoint file, generators included.
+A replacement that dies before it joins falls back to the whole-group restart with its
+one-line reason; a script without Checkpointer gets the weights and the step count.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from launchkit import Launcher
+from test_live_recovery import _assert_bitwise, _processes
+
+from lockstep.checkpoint.files import CheckpointFiles
+from lockstep.launch.cli import add_parser, run_config
+
+HERE = Path(__file__).parent
+FAULTS, PLAIN = str(HERE / "train_live_faults.py"), str(HERE / "train_live_plain.py")
+WAIT_S = 150
+
+
+def _run(out: Path, script: str, flags: list[str], env: dict[str, str] | None = None) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--nproc-per-node", "2", *flags, script, "--out", str(out)]
+    env = {"LOCKSTEP_TEST_KILL": "", "LOCKSTEP_STALL_WARN_S": "60", **(env or {})}
+    launcher = Launcher(argv, out / "launcher.log", env=env)
+    code = launcher.wait(WAIT_S)
+    log = launcher.log()
+    assert code == 0, log
+    return log
+
+
+def _ids(out: Path, rank: int) -> list[str]:
+    """'step id id ...' lines of every process of `rank`, by step (a step run twice shows)."""
+    lines = [
+        line for path in (out / "ids").glob(f"{rank}.*") for line in path.read_text().splitlines()
+    ]
+    return sorted(lines, key=lambda line: int(line.split()[0]))
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _assert_same_checkpoints(out: Path, oracle: Path) -> None:
+    """No temporary file left; the same committed steps; each file the oracle's, bit for bit."""
+    names = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert names == sorted(p.name for p in (oracle / "ckpt").iterdir()), names
+    files, expected = CheckpointFiles(out / "ckpt", 2), CheckpointFiles(oracle / "ckpt", 2)
+    for step in (3, 7):
+        mine = files.load(files.path_for(step), "cpu")  # the CRC check of every record too
+        assert _same(mine, expected.load(expected.path_for(step), "cpu")), (out, step)
+    assert files.find_latest("cpu")[0] == files.path_for(7)
+
+
+# One run, four generations, against the oracle: the sampler's place (rank 1 dies in
+# backward at step 2), the writer dies mid-write at step 3 (the save runs again), rank 0
+# hangs in forward at step 5 (--replace-stuck), a non-writer dies before the barrier of
+# the save of step 7 (committed already).
+KILLS = "1:2:backward,0:3:save,0:5:hang,1:7:save"
+PROCESSES = ["0.0.0", "0.2.0", "0.3.0", "1.0.0", "1.1.0", "1.4.0"]
+LINES = [
+    "[rank 0]: live recovery: generation 1, rank(s) [1] replaced; step 3 finished again",
+    "[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of step 3, "
+    "which runs again",
+    "Stuck: rank 0 (last after step 5",
+    "replace-stuck: rank 0 (pid",
+    "live recovery: rank 0 (pid",
+    "as rank 0, generation 3",
+    "[rank 1]: live recovery: generation 3, rank(s) [0] replaced; step 6 finished again",
+    "[rank 0]: live recovery: generation 4, rank(s) [1] replaced inside the save of step 7, "
+    "which was committed already",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_faults_in_four_generations_against_one_oracle(tmp_path):
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [])
+    out = tmp_path / "four_generations"
+    flags = ["--live-recovery", "--replace-stuck", "--stall-timeout", "6"]
+    log = _run(out, FAULTS, flags, {"LOCKSTEP_TEST_KILL": KILLS})
+    for line in LINES:
+        assert line in log, (line, log)
+    assert "restart 1" not in log and "not possible" not in log, log
+    assert _processes(out) == PROCESSES, log
+    _assert_bitwise(out, oracle)
+    for rank in (0, 1):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
+    _assert_same_checkpoints(out, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
+    """DDP + SGD without momentum: weights and step count are its whole state; then a
+    replacement that dies before it joins makes the whole group restart, never hang."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, PLAIN, [])
+    out = tmp_path / "killed"
+    log = _run(out, PLAIN, ["--live-recovery"], {"LOCKSTEP_TEST_KILL": "1:3:backward"})
+    told = (
+        "lockstep [rank 1]: live recovery without Checkpointer.restore(): received the "
+        "weights, buffers and step count (3 steps finished, `ddp.finished_steps`) from rank "
+        "0; not restored: the optimizer's state, the random state, the data position"
+    )
+    assert told in log, log
+    assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0"], log
+    _assert_bitwise(out, oracle)
+    # the replacement dies before it joins: a clean whole-group restart, said in one line
+    out = tmp_path / "second_kill"
+    env = {"LOCKSTEP_TEST_KILL": "1:3:backward", "LOCKSTEP_TEST_KILL_REPLACEMENT": "1:1"}
+    log = _run(out, PLAIN, ["--live-recovery", "--max-restarts", "1"], env)
+    assert "live recovery not possible: rank(s) [1] failed during the live recovery of " \
+        "generation 1; falling back to the whole-group restart" in log, log  # fmt: skip
+    assert _processes(out) == ["0.0.0", "0.0.1", "1.0.0", "1.0.1"], log
+    _assert_bitwise(out, oracle)
+
+
+def test_replace_stuck_needs_live_recovery():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    with pytest.raises(ValueError, match="--replace-stuck replaces a stuck worker live: it"):
+        run_config(parser.parse_args(["run", "--replace-stuck", FAULTS]))
+    flags = ["run", "--live-recovery", "--replace-stuck", FAULTS]
+    assert run_config(parser.parse_args(flags)).replace_stuck

@@ -1,0 +1,143 @@
+"""The live-recovery fault tests' script: `train_live.py` with a resumable loader and more faults.
+
+    lockstep run --nproc-per-node 2 --live-recovery tests/launch/train_live_faults.py --out /tmp/f
+
+The data comes from `lockstep.shard` over numbered samples (several epochs), and the
+sampler is handed to `Checkpointer.restore`; after each backward a rank appends the
+step and its sample ids to OUT/ids/<rank>.<generation>.<restart>. Faults
+(LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]", each for the process of RANK that runs
+STEP, replacements included): WHERE as in `train_live.py`, or "save" (rank 0 dies
+between the checkpoint's temporary file and its rename, another rank before the
+save's barrier), or "hang" (stays in forward); LOCKSTEP_TEST_KILL_REPLACEMENT=
+"RANK:GENERATION" makes that replacement die before it joins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from train_live import FEATURES, arm_kill
+
+import lockstep
+
+SAMPLES, BATCH = 40, 4  # 5 steps per epoch at world size 2
+
+
+class Numbered(Dataset):
+    """Sample i: (i, x, y), drawn from i alone."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(5000 + index))
+        return index, x, x.sum(dim=0, keepdim=True).sin()
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[bool]) -> None:
+    if where == "save" and rank == 0:  # the writer: temporary file written, not renamed
+        checkpoints.files.on_point = lambda point: point == "temp_synced" and when[0] and die()
+    elif where == "save":  # a rank that does not write: before the barrier after the write
+        barrier = checkpoints._ranks.wait_for_rank0
+
+        def dying_barrier(what: str) -> None:
+            if when[0]:
+                die()
+            barrier(what)
+
+        checkpoints._ranks.wait_for_rank0 = dying_barrier
+    elif where == "hang":
+
+        def hang(*_: object) -> None:
+            while when[0]:
+                time.sleep(1)
+
+        model[2].register_forward_pre_hook(hang)
+    else:
+        arm_kill(model, optimizer, where, when)
+
+
+def planned_fault(rank: int, start: int, generation: int, restart: int) -> tuple[int, str]:
+    """(step, where) of this process's fault, or (-1, ""): the first item of its rank in
+    LOCKSTEP_TEST_KILL at or after its start step, after it for a replacement (which never
+    repeats the fault that made it); none after a whole-group restart."""
+    plans = filter(None, os.environ.get("LOCKSTEP_TEST_KILL", "").split(","))
+    for kill_rank, step, where in sorted((p.split(":") for p in plans), key=lambda p: int(p[1])):
+        if restart == 0 and int(kill_rank) == rank and int(step) >= start + (generation > 0):
+            return int(step), where
+    return -1, ""
+
+
+def replacement_dies(rank: int, generation: int) -> bool:
+    plan = os.environ.get("LOCKSTEP_TEST_KILL_REPLACEMENT", "")
+    return bool(plan) and plan == f"{rank}:{generation}"
+
+
+def endless(loader):
+    while True:
+        yield from loader
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    out = Path(args.out)
+    generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
+    if replacement_dies(int(os.environ["RANK"]), generation):
+        die()  # before init(): it never joins its generation
+    ctx = lockstep.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(32, 1),
+    )  # fmt: skip
+    torch.manual_seed(100 + ctx.rank)
+    random.seed(ctx.rank)  # the checkpoint holds every generator: make them all the oracle's
+    np.random.seed(ctx.rank)
+    ddp = lockstep.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    loader = lockstep.shard(Numbered(), batch_size=BATCH, seed=0)
+    checkpoints = lockstep.Checkpointer(out / "ckpt", keep=2)
+    last = checkpoints.restore(model=ddp, optimizer=optimizer, sampler=loader)
+    name = f"{ctx.rank}.{generation}.{ctx.restart_count}"
+    for folder in ("pids", "ids"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    (out / "pids" / name).write_text(str(os.getpid()))
+    start = 0 if last is None else last + 1
+    kill_step, where = planned_fault(ctx.rank, start, generation, ctx.restart_count)
+    armed = [False]
+    arm_fault(model, optimizer, checkpoints, ctx.rank, where, armed)
+    batches = endless(loader)
+    for step in range(start, args.steps):
+        armed[0] = step == kill_step
+        ids, x, y = next(batches)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        with open(out / "ids" / name, "a") as record:
+            record.write(f"{step} {' '.join(str(i) for i in ids.tolist())}\n")
+        optimizer.step()
+        if (step + 1) % 4 == 0:
+            checkpoints.save(step, model=ddp, optimizer=optimizer, sampler=loader)
+        print(f"rank {ctx.rank} finished step {step}", flush=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, out / f"final_rank{ctx.rank}.pt")
+    lockstep.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The pure pieces of a live hand-over: the data-pass count and the sampler's place.
+
+A replacement resumes inside its peers' epoch or at the start of the next one; its
+count of data passes (the step fingerprint's uneven-data check) must then match
+theirs (`runtime/data_passes.py`), and the sampler state sent is the one copied at the
+last step's end, not the one a loader that has already handed out the next batch holds
+(`checkpoint/live_sampler.py`).
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader
+
+from lockstep.checkpoint.live_sampler import SamplerPlace, continues
+from lockstep.data.sampler import ShardedSampler
+from lockstep.runtime.data_passes import DataPasses
+
+
+def test_a_replacement_continues_its_peers_pass_or_starts_the_next():
+    loader = DataLoader(range(8), batch_size=2)
+    resumed = DataPasses()
+    resumed.adopt(3, continues=True)  # a position inside the epoch
+    batches = iter(loader)
+    next(batches)
+    assert resumed.note_step() == 3
+    next(batches)
+    assert resumed.note_step() == 3
+    next(iter(loader))  # its next pass is a new one, as at its peers
+    assert resumed.note_step() == 4
+    fresh = DataPasses()
+    fresh.adopt(3, continues=False)  # the epoch was finished: the first pass is new
+    next(iter(loader))
+    assert fresh.note_step() == 4
+
+
+def test_continues_reads_the_position_inside_the_epoch():
+    state = {"epoch": 1, "seed": 0, "num_samples": 40, "world_size": 2, "shuffle": True}
+    assert continues({**state, "position": 16})
+    assert not continues({**state, "position": 40})  # finished: the next pass starts one
+    assert not continues({**state, "position": 0})
+    assert continues(None) and continues({"step": 3})  # unknown: taken to continue
+
+
+def test_the_place_sent_is_the_one_taken_at_the_last_step_end():
+    sampler = ShardedSampler(range(40), batch_size=4, rank=0, world_size=2)
+    place = SamplerPlace(sampler)
+    indices = iter(sampler)
+    for _ in range(4):
+        next(indices)
+    sampler.mark_consumed(4)
+    place.take()  # the end of step 0
+    for _ in range(4):
+        next(indices)
+    sampler.mark_consumed(8)  # step 1's batch is out; step 1 is interrupted
+    assert place.state["position"] == 8
+    assert sampler.state_dict()["position"] == 16
