@@ -121,10 +121,6 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
 
-    @property
-    def finished_steps(self) -> int:  # synchronised steps; a live replacement: its peers' count
-        return self.reducer.driver.steps
-
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""
         self._args = args

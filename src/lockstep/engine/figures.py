@@ -26,6 +26,11 @@ class EngineFigures(StepFigures):
         return self.reducer.driver
 
     @property
+    def finished_steps(self) -> int:
+        """Synchronised steps so far; in a live replacement, its peers' count."""
+        return self.reducer.driver.steps
+
+    @property
     def payload_bytes(self) -> int:
         """Gradient bytes all-reduced per synchronised step (the sum of bucket sizes)."""
         return sum(bucket.nbytes for bucket in self.reducer.buckets)

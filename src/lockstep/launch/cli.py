@@ -73,6 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="with --live-recovery: keep this many standby workers per node that have "
         "imported torch and lockstep and take a lost rank (docs/multinode.md)",
+    )
+    run.add_argument(
         "--replace-stuck",
         action="store_true",
         help="with --live-recovery: a worker the stall watch declares stuck gets SIGKILL "
