@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 TRAIN, TORCHFT = str(HERE / "recovery_train.py"), str(HERE / "recovery_torchft.py")
 TIMEOUT_S = 300
 NODE_PORT = 29561  # inside namespaces of our own, so no other job holds it
+REJOIN_AFTER_S = 3.0  # from a lost node's kill to its launcher's new start
 LIGHTHOUSE = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 
 
@@ -115,7 +116,13 @@ class _TwoNodes:
 
 
 def _lose_node(job: _TwoNodes) -> None:
-    """Wait until a node-1 worker holds at the kill point; kill node 1; start it again."""
+    """Wait until a node-1 worker holds at the kill point, kill node 1, start it again.
+
+    The new launcher starts REJOIN_AFTER_S after the kill (a scheduler's requeue takes
+    seconds too). One that comes back before the survivors noticed the loss finds its
+    dead predecessor registered in the current rendezvous round and stops ("two nodes
+    were started with --node-rank 1"): it is then started again, up to 3 times.
+    """
     request = job.out / "kill_request"
     deadline = time.monotonic() + TIMEOUT_S
     while not request.exists():
@@ -124,7 +131,22 @@ def _lose_node(job: _TwoNodes) -> None:
         time.sleep(0.01)
     killed_at = job.kill_node(1)
     (job.out / "kill.json").write_text(f'{{"rank": "node 1", "t": {killed_at}}}')
-    job.start(1, {"RECOVERY_KILL": ""})
+    for _ in range(3):
+        time.sleep(REJOIN_AFTER_S)
+        job.start(1, {"RECOVERY_KILL": ""})
+        if not _stopped_early(job.procs[1], job.procs[0]):
+            return
+
+
+def _stopped_early(node: subprocess.Popen, other: subprocess.Popen, within: float = 20) -> bool:
+    """True if `node` exits with an error within `within` s while `other` still runs."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and other.poll() is None:
+        code = node.poll()
+        if code is not None:
+            return code != 0
+        time.sleep(0.1)
+    return False
 
 
 def run_two_nodes(out: Path, flags: list[str], steps: int, kill: str, lose: bool) -> str | None:

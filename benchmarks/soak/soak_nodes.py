@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from lockstep.testing.netns import Host
@@ -49,6 +51,20 @@ class Job:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+    def kill_node(self, node: int) -> float:
+        """SIGKILL every process in node's namespace (launcher and workers); the time."""
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.hosts[node].namespace], capture_output=True, text=True
+        ).stdout.split()
+        killed_at = time.time()
+        for pid in listed:
+            with suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        proc = self.procs[node]
+        if proc is not None:
+            proc.wait(timeout=30)
+        return killed_at
 
     def ended(self) -> bool:
         """True once any launcher has exited (the driver then stops waiting)."""
