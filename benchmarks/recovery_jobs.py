@@ -166,14 +166,21 @@ def run_two_nodes(out: Path, flags: list[str], steps: int, kill: str, lose: bool
 def run_torchft(out: Path, flags: list[str], steps: int, kill: str) -> str | None:
     """A lighthouse and two replica groups under torchrun (it restarts the killed one).
 
-    `flags` go to recovery_torchft.py (its --wrapper).
+    `flags` go to recovery_torchft.py (its --wrapper), but for `--heartbeat-ms N`, which
+    goes to the lighthouse (its --heartbeat_timeout_ms, 5000 unless given: how long a
+    replica that stopped heartbeating still counts, so how long a survivor waits).
     """
     out.mkdir(parents=True)
+    flags, lighthouse_flags = list(flags), list(LIGHTHOUSE)
+    if "--heartbeat-ms" in flags:
+        at = flags.index("--heartbeat-ms")
+        lighthouse_flags += ["--heartbeat_timeout_ms", flags[at + 1]]
+        del flags[at : at + 2]
     bind = f"127.0.0.1:{_free_port()}"
     tool = str(Path(sys.executable).with_name("torchft_lighthouse"))
     lighthouse_log = open(out / "lighthouse.log", "w")  # noqa: SIM115 (closed below)
     lighthouse = subprocess.Popen(
-        [tool, *LIGHTHOUSE, "--bind", bind], stdout=lighthouse_log, stderr=subprocess.STDOUT
+        [tool, *lighthouse_flags, "--bind", bind], stdout=lighthouse_log, stderr=subprocess.STDOUT
     )
     procs, logs = [], [out / f"replica{r}.log" for r in (0, 1)]
     try:
