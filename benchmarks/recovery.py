@@ -65,9 +65,9 @@ MODES = {
     "live + 1 spare": Mode(("--live-recovery", "--spares", "1")),
     "restart": Mode(("--max-restarts", "1")),
     "torchft": Mode(("--wrapper", "ddp"), torchft=True, setups=("one node x 2",)),
-    "torchft per-tensor": Mode(("--wrapper", "pure"), torchft=True, setups=("one node x 2",)),
-    "torchft per-tensor 1s heartbeat": Mode(
-        ("--wrapper", "pure", "--heartbeat-ms", "1000"), torchft=True, setups=("one node x 2",)
+    "torchft manual": Mode(("--wrapper", "manual"), torchft=True, setups=("one node x 2",)),
+    "torchft manual 1s heartbeat": Mode(
+        ("--wrapper", "manual", "--heartbeat-ms", "1000"), torchft=True, setups=("one node x 2",)
     ),
 }
 
@@ -122,7 +122,7 @@ def row(setup: str, mode: str, runs: list[dict] | str) -> str:
     rec, still = [r["recovery_s"] for r in runs], [r["still_s"] for r in runs]
     each = ", ".join(f"{v:.2f}" for v in rec)
     redo = ", ".join(map(str, sorted({int(r["recomputed"]) for r in runs})))
-    lost = ", ".join(f"{int(r['lost'])} / {int(r['repeated'])}" for r in runs)
+    lost = ", ".join(sorted({f"{int(r['lost'])} / {int(r['repeated'])}" for r in runs}))
     alone = ", ".join(map(str, sorted({int(r["alone"]) for r in runs})))
     same = sum(int(r["bitwise"]) for r in runs)
     return (

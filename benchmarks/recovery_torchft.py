@@ -3,7 +3,7 @@
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
     REPLICA_GROUP_ID=0 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
         torchrun --nnodes 1 --nproc-per-node 1 --master-port 29600 --max-restarts 1 \\
-        benchmarks/recovery_torchft.py --out DIR --steps 30 [--wrapper pure]  # and group 1
+        benchmarks/recovery_torchft.py --out DIR --steps 30 [--wrapper manual]  # and group 1
 
 `benchmarks/recovery.py` starts all three (its mode "torchft"). The pattern is
 torchft's DDP example: a Manager with state-dict callbacks, its gloo process group,
@@ -30,9 +30,18 @@ from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGlo
 from torchft.ddp import PureDistributedDataParallel
 
 REPLICAS = 2
-# torchft's two data-parallel wrappers: torch's DDP with torchft's comm hook (its
-# example's), and one all-reduce per gradient from a post-accumulate hook.
-WRAPPERS = {"ddp": DistributedDataParallel, "pure": PureDistributedDataParallel}
+# How gradients are averaged: "ddp", torch's DDP with torchft's comm hook (its example's);
+# "pure", torchft's one all-reduce per gradient from a post-accumulate hook (on CPU
+# nothing waits for those before the optimizer step); "manual", Manager.allreduce on
+# every gradient after backward, each waited (errors are recorded, not raised).
+WRAPPERS = {"ddp": DistributedDataParallel, "pure": PureDistributedDataParallel, "manual": None}
+
+
+def average(manager: Manager, model: nn.Module) -> None:
+    """The "manual" wrapper's step: every gradient all-reduced (mean over participants)."""
+    works = [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]
+    for work in works:
+        work.wait()
 
 
 def make_manager(model: nn.Module, holder: dict, replica: int) -> Manager:
@@ -69,7 +78,8 @@ def main() -> None:
     torch.manual_seed(100 + replica)
     holder: dict = {}
     manager = make_manager(model, holder, replica)
-    ddp = WRAPPERS[args.wrapper](manager, model)
+    wrap = WRAPPERS[args.wrapper]
+    ddp = model if wrap is None else wrap(manager, model)
     optimizer = Optimizer(manager, torch.optim.Adam(model.parameters(), lr=1e-3))
     holder["optimizer"] = optimizer.optim
     armed = arm_kill(model, out, replica, first)
@@ -81,6 +91,8 @@ def main() -> None:
         armed[0] = len(armed) > 1 and step == kill_step
         x, y = batch(step, replica, REPLICAS)
         nn.functional.mse_loss(ddp(x), y).backward()
+        if wrap is None:
+            average(manager, model)
         took_part, participants = manager.is_participating(), manager.num_participants()
         optimizer.step()
         if manager.current_step() == step:
