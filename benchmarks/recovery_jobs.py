@@ -166,7 +166,7 @@ def run_two_nodes(out: Path, flags: list[str], steps: int, kill: str, lose: bool
 def run_torchft(out: Path, flags: list[str], steps: int, kill: str) -> str | None:
     """A lighthouse and two replica groups under torchrun (it restarts the killed one).
 
-    `flags` go to recovery_torchft.py (its --wrapper), but for `--heartbeat-ms N`, which
+    `flags` go to recovery_torchft.py (--wrapper, --step-sleep), but for `--heartbeat-ms N`, which
     goes to the lighthouse (its --heartbeat_timeout_ms, 5000 unless given: how long a
     replica that stopped heartbeating still counts, so how long a survivor waits).
     """

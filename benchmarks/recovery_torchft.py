@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--wrapper", choices=WRAPPERS, default="ddp")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     args = parser.parse_args()
     out = Path(args.out)
     replica = int(os.environ["REPLICA_GROUP_ID"])
@@ -102,6 +103,7 @@ def main() -> None:
         event["samples"] = sample_ids(step, replica, REPLICAS) if took_part else []
         with open(out / "events.jsonl", "a") as sink:
             sink.write(json.dumps(event) + "\n")
+        time.sleep(args.step_sleep)
     state = {"model": model.state_dict(), "optimizer": optimizer.optim.state_dict()}
     torch.save(state, out / f"final_rank{replica}.pt")
     manager.shutdown()
