@@ -1,7 +1,7 @@
 """A lost worker or node: every recovery mode in every setup, side by side, one table.
 
     python benchmarks/recovery.py                                 # every setup, every mode
-    python benchmarks/recovery.py --setups "one node x 2" --modes live,restart,torchft
+    python benchmarks/recovery.py --setups "one node x 2" --modes "live,restart,torchft manual"
     python benchmarks/recovery.py --repeats 3 --out /tmp/recovery
 
 A setup (SETUPS) says where the job runs and what is killed; a mode (MODES) says how
@@ -35,7 +35,7 @@ from lockstep.testing.netns import unavailable_reason
 
 @dataclass(frozen=True)
 class Setup:
-    """Where the job runs and what is killed (`kill`: RECOVERY_KILL's RANK:STEP)."""
+    """Where the job runs (`nodes` x 2 workers) and what is killed (rank `victim`, its node)."""
 
     nodes: int
     victim: int
