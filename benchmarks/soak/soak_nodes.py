@@ -20,8 +20,6 @@ from lockstep.testing.netns import Host
 
 TRAIN = str(Path(__file__).with_name("soak_train.py"))
 MASTER_PORT = 29561  # inside our own namespaces, so no other job can hold it
-# Both nodes need the same job secret; a scheduler would export it, this driver does.
-os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
 
 
 class Job:
@@ -29,6 +27,8 @@ class Job:
 
     def __init__(self, hosts: tuple[Host, Host], out: Path, flags: list[str], script: list[str]):
         self.hosts, self.out, self.flags, self.script = hosts, out, flags, script
+        # Both nodes need the same job secret; a scheduler would export it, this driver does.
+        os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
         out.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen | None] = [None, None]
         for node in (0, 1):
