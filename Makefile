@@ -46,7 +46,8 @@ bench: install
 	$(BIN)/python benchmarks/observe_cost.py
 	$(BIN)/python benchmarks/sharded_vs_ddp.py
 
-# 20 random worker kills and one lost launcher across two nodes (namespaces; root); not in `test`.
+# 20 worker kills (in a save, mid-all-reduce, rank 0, random) and one lost node across two
+# nodes (namespaces; root), with --live-recovery where the launcher accepts it; not in `test`.
 soak: install
 	cd benchmarks/soak && ../../$(BIN)/python soak_two_nodes.py --out ../../runs/soak
 

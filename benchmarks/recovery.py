@@ -1,121 +1,180 @@
-"""A worker lost on one node x 2: live recovery against the whole-group restart, side by side.
+"""A lost worker or node: every recovery mode in every setup, side by side, one table.
 
-    python benchmarks/recovery.py                       # 3 kills each, interleaved
-    python benchmarks/recovery.py --repeats 5 --out /tmp/recovery
+    python benchmarks/recovery.py                                 # every setup, every mode
+    python benchmarks/recovery.py --setups "one node x 2" --modes "live,restart,torchft manual"
+    python benchmarks/recovery.py --repeats 3 --out /tmp/recovery
 
-`lockstep run --nproc-per-node 2` runs benchmarks/recovery_train.py (DDP, Adam,
-dropout, a checkpoint every 10 steps) once uninterrupted (the oracle), then, in
-turns, with `--live-recovery` and with `--max-restarts 1`, each time SIGKILLing
-rank 1 inside backward of step 13 (3 steps after the last checkpoint). From the
-steps' completion times it reports: time from the kill to the first step every rank
-completed after it; how long the survivor (rank 0) stood still (its longest gap
-between two completed steps around the kill, less its median step); steps computed
-again; and whether the final parameters and Adam state are bitwise the oracle's.
+A setup (SETUPS) says where the job runs and what is killed; a mode (MODES) says how
+it recovers: `lockstep run` flags, or torchft's own job. Each is one table entry, so
+a new mode is one line. benchmarks/recovery_train.py (DDP, Adam, dropout, a
+checkpoint every 10 steps) runs once uninterrupted per setup (the oracle), then once
+per mode and repeat, interleaved, with the victim killed inside backward of step 13:
+- one node x 2: rank 1 SIGKILLs itself;
+- two nodes x 2: two network namespaces (root), rank 3 (on node 1) SIGKILLs itself;
+- lost node: rank 3 holds at that point, every process of node 1's namespace (its
+  launcher too) is SIGKILLed and `lockstep run --node-rank 1` is started again.
+Columns: recovery_measure.py. A mode the launcher refuses (exit 2 before any step)
+is reported as `refused: <its reason>`, and is not tried again in later repeats.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from recovery_jobs import run_one_node, run_torchft, run_two_nodes
+from recovery_measure import measure
 
-SCRIPT = str(Path(__file__).with_name("recovery_train.py"))
-MODES = {"live": ["--live-recovery"], "restart": ["--max-restarts", "1"]}
-MODES["spare"] = ["--live-recovery", "--spares", "1"]  # live, a standby worker takes the rank
-TIMEOUT_S = 300
+from lockstep.testing.netns import unavailable_reason
 
 
-def run(out: Path, flags: list[str], steps: int, kill: str) -> None:
-    out.mkdir(parents=True)
-    argv = [sys.executable, "-m", "lockstep.cli", "run", "--nproc-per-node", "2", *flags]
-    argv += [SCRIPT, "--out", str(out), "--steps", str(steps)]
-    env = {**os.environ, "RECOVERY_KILL": kill}
-    with open(out / "launcher.log", "w") as log:
-        done = subprocess.run(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=TIMEOUT_S
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"run failed ({done.returncode}); see {out / 'launcher.log'}")
+@dataclass(frozen=True)
+class Setup:
+    """Where the job runs (`nodes` x 2 workers) and what is killed (rank `victim`, its node)."""
+
+    nodes: int
+    victim: int
+    lose_node: bool = False
+
+    @property
+    def world(self) -> int:
+        return 2 * self.nodes
 
 
-def bitwise(out: Path, oracle: Path) -> bool:
-    for rank in (0, 1):
-        mine, ref = (torch.load(d / f"final_rank{rank}.pt") for d in (out, oracle))
-        if not all(torch.equal(mine["model"][k], v) for k, v in ref["model"].items()):
-            return False
-        for index, entry in ref["optimizer"]["state"].items():
-            theirs = mine["optimizer"]["state"][index]
-            if not all(torch.equal(torch.as_tensor(theirs[k]), torch.as_tensor(v))
-                       for k, v in entry.items()):  # fmt: skip
-                return False
-    return True
+@dataclass(frozen=True)
+class Mode:
+    """How the job recovers: launcher flags, and which job runs them."""
+
+    flags: tuple[str, ...] = ()
+    torchft: bool = False
+    setups: tuple[str, ...] = field(default=())  # empty: every setup
 
 
-def measure(out: Path, oracle: Path) -> dict[str, float]:
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    kill_t = json.loads((out / "kill.json").read_text())["t"]
-    before = [e for e in events if e["t"] < kill_t]
-    after = [e for e in events if e["t"] >= kill_t]
-    done_before = {(e["rank"], e["step"]) for e in before}
-    first_all = max(min(e["t"] for e in after if e["rank"] == r) for r in (0, 1))
-    survivor = sorted(e["t"] for e in events if e["rank"] == 0)
-    gaps = [b - a for a, b in itertools.pairwise(survivor)]
-    around = max(b - a for a, b in itertools.pairwise(survivor) if b >= kill_t)
-    return {
-        "recovery_s": first_all - kill_t,
-        "survivor_still_s": around - statistics.median(gaps),
-        "recomputed": len({e["step"] for e in after if (e["rank"], e["step"]) in done_before}),
-        "bitwise": float(bitwise(out, oracle)),
-    }
+SETUPS = {
+    "one node x 2": Setup(nodes=1, victim=1),
+    "two nodes x 2": Setup(nodes=2, victim=3),
+    "lost node": Setup(nodes=2, victim=3, lose_node=True),
+}
+MODES = {
+    "live": Mode(("--live-recovery",)),
+    "live + 1 spare": Mode(("--live-recovery", "--spares", "1")),
+    "restart": Mode(("--max-restarts", "1")),
+    "torchft": Mode(("--wrapper", "ddp"), torchft=True, setups=("one node x 2",)),
+    "torchft manual": Mode(("--wrapper", "manual"), torchft=True, setups=("one node x 2",)),
+    # A survivor that no longer waits finishes alone unless the steps last: 0.5 s each.
+    "torchft manual 1s heartbeat": Mode(
+        ("--wrapper", "manual", "--heartbeat-ms", "1000", "--step-sleep", "0.5"),
+        torchft=True,
+        setups=("one node x 2",),
+    ),
+}
 
 
-def table(results: dict[str, list[dict[str, float]]]) -> str:
-    lines = [
-        "| | kill to first step after it (s) | survivor stood still (s) | steps computed "
-        "again | bitwise equal to the uninterrupted run |",
-        "|---|---|---|---|---|",
-    ]
-    for mode, runs in results.items():
-        rec = [r["recovery_s"] for r in runs]
-        still = [r["survivor_still_s"] for r in runs]
-        redo = sorted({int(r["recomputed"]) for r in runs})
-        same = sum(int(r["bitwise"]) for r in runs)
-        each = ", ".join(f"{v:.2f}" for v in rec)
-        lines.append(
-            f"| {mode} | median {statistics.median(rec):.2f} ({each}) "
-            f"| median {statistics.median(still):.2f} | {', '.join(map(str, redo))} "
-            f"| {same}/{len(runs)} |"
-        )
-    return "\n".join(lines)
+def runner(setup: Setup, mode: Mode) -> Callable[[Path, list[str], int, str], str | None]:
+    """The function that runs `mode`'s job in `setup` (see recovery_jobs.py)."""
+    if mode.torchft:
+        return run_torchft
+    if setup.nodes == 1:
+        return run_one_node
+    return lambda out, flags, steps, kill: run_two_nodes(out, flags, steps, kill, setup.lose_node)
+
+
+class Bench:
+    """Runs the chosen entries, keeps one oracle per (setup, job kind) and every result."""
+
+    def __init__(self, root: Path, steps: int, kill_step: int):
+        self.root, self.steps, self.kill_step = root, steps, kill_step
+        self.oracles: dict[tuple, Path] = {}
+        self.results: dict[tuple[str, str], list[dict] | str] = {}
+
+    def oracle(self, name: str, setup: Setup, mode: Mode) -> Path:
+        # lockstep's flags and the lighthouse's heartbeat change no numerics
+        flags = list(mode.flags[:2]) if mode.torchft else []
+        key = (name, mode.torchft, *flags)
+        if key not in self.oracles:
+            out = self.root / f"oracle-{len(self.oracles)}"
+            runner(setup, mode)(out, flags, self.steps, "")
+            self.oracles[key] = out
+        return self.oracles[key]
+
+    def once(self, name: str, mode_name: str, repeat: int) -> None:
+        setup, mode = SETUPS[name], MODES[mode_name]
+        if isinstance(self.results.get((name, mode_name)), str):
+            return  # refused or skipped: not tried again
+        out = self.root / f"{name}-{mode_name}-{repeat}".replace(" ", "_")
+        kill = f"{setup.victim}:{self.kill_step}"
+        refused = runner(setup, mode)(out, list(mode.flags), self.steps, kill)
+        if refused:
+            self.results[name, mode_name] = f"refused: {refused}"
+            print(name, "|", mode_name, "| refused:", refused, flush=True)
+            return
+        got = measure(out, self.oracle(name, setup, mode), self.steps, setup.world)
+        self.results.setdefault((name, mode_name), []).append(got)  # type: ignore[union-attr]
+        print(name, "|", mode_name, repeat, got, flush=True)
+
+
+def row(setup: str, mode: str, runs: list[dict] | str) -> str:
+    """One line of the markdown table."""
+    if isinstance(runs, str):
+        return f"| {setup} | {mode} | {runs} | | | | | |"
+    rec, still = [r["recovery_s"] for r in runs], [r["still_s"] for r in runs]
+    each = ", ".join(f"{v:.2f}" for v in rec)
+    redo = ", ".join(map(str, sorted({int(r["recomputed"]) for r in runs})))
+    lost = ", ".join(sorted({f"{int(r['lost'])} / {int(r['repeated'])}" for r in runs}))
+    alone = ", ".join(map(str, sorted({int(r["alone"]) for r in runs})))
+    same = sum(int(r["bitwise"]) for r in runs)
+    return (
+        f"| {setup} | {mode} | median {statistics.median(rec):.2f} ({each}) "
+        f"| median {statistics.median(still):.2f} | {redo} | {lost} | {alone} "
+        f"| {same}/{len(runs)} |"
+    )
+
+
+HEADER = (
+    "| setup | mode | kill to first step after it (s) | survivors stood still (s) | steps "
+    "computed again | samples lost / repeated | steps at part of the global batch "
+    "| bitwise equal to the uninterrupted run |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def chosen(text: str | None, table: dict) -> list[str]:
+    names = list(table) if not text else [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise SystemExit(f"unknown {unknown}; expected some of {list(table)}")
+    return names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--setups", default=None, help=f"comma-separated, of {list(SETUPS)}")
+    parser.add_argument("--modes", default=None, help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=13)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="recovery-"))
-    oracle = root / "oracle"
-    run(oracle, [], args.steps, "")
-    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    bench = Bench(root, args.steps, args.kill_step)
+    setups, modes = chosen(args.setups, SETUPS), chosen(args.modes, MODES)
+    cells = [(s, m) for s in setups for m in modes if not MODES[m].setups or s in MODES[m].setups]
+    no_netns = unavailable_reason()
+    for setup, mode in cells:
+        if SETUPS[setup].nodes > 1 and no_netns:
+            bench.results[setup, mode] = f"skipped: {no_netns}"
     for repeat in range(args.repeats):
-        for mode, flags in MODES.items():
-            out = root / f"{mode}{repeat}"
-            run(out, flags, args.steps, f"1:{args.kill_step}")
-            results[mode].append(measure(out, oracle))
-            print(mode, repeat, results[mode][-1], flush=True)
-    (root / "recovery.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
+        for setup, mode in cells:
+            bench.once(setup, mode, repeat)
+    (bench.root / "recovery.json").write_text(
+        json.dumps({f"{s} | {m}": v for (s, m), v in bench.results.items()}, indent=1)
+    )
+    print(HEADER)
+    print("\n".join(row(s, m, bench.results[s, m]) for s, m in cells))
 
 
 if __name__ == "__main__":

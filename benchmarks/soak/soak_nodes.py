@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from lockstep.testing.netns import Host
 
 TRAIN = str(Path(__file__).with_name("soak_train.py"))
 MASTER_PORT = 29561  # inside our own namespaces, so no other job can hold it
-# Both nodes need the same job secret; a scheduler would export it, this driver does.
-os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
 
 
 class Job:
@@ -27,6 +27,8 @@ class Job:
 
     def __init__(self, hosts: tuple[Host, Host], out: Path, flags: list[str], script: list[str]):
         self.hosts, self.out, self.flags, self.script = hosts, out, flags, script
+        # Both nodes need the same job secret; a scheduler would export it, this driver does.
+        os.environ.setdefault("LOCKSTEP_JOB_SECRET", secrets.token_hex(32))
         out.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen | None] = [None, None]
         for node in (0, 1):
@@ -49,6 +51,20 @@ class Job:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+    def kill_node(self, node: int) -> float:
+        """SIGKILL every process in node's namespace (launcher and workers); the time."""
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.hosts[node].namespace], capture_output=True, text=True
+        ).stdout.split()
+        killed_at = time.time()
+        for pid in listed:
+            with suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        proc = self.procs[node]
+        if proc is not None:
+            proc.wait(timeout=30)
+        return killed_at
 
     def ended(self) -> bool:
         """True once any launcher has exited (the driver then stops waiting)."""

@@ -11,10 +11,14 @@ describe exactly the trajectory that survived the kills. Rank 0 writes the final
 parameters, optimizer state and counts to OUT/final.pt.
 
 For the soak driver (benchmarks/soak/soak_two_nodes.py) each worker writes its pid
-to OUT/pids/RANK, and rank 0 writes "PID STEP" to OUT/progress after each save.
+to OUT/pids/RANK, rank 0 writes "PID STEP" to OUT/progress after each save, and
+every rank appends "PID STEP TIME" to OUT/steps/RANK after each step.
 When OUT/pause_in_save exists, rank 0 removes it at its next checkpoint write,
 with the temporary file written but not committed, writes its pid to OUT/in_save
-and sleeps, so that the driver can SIGKILL it in the middle of that write.
+and sleeps, so that the driver can SIGKILL it in the middle of that write. When
+OUT/pause_in_backward holds a rank, that rank removes it inside its next backward,
+before its gradients are all-reduced (its peers wait in the all-reduce), writes its
+pid to OUT/in_backward and sleeps the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +67,19 @@ def pause_in_save(out: Path):
     return on_point
 
 
+def pause_in_backward(model: nn.Module, out: Path, rank: int) -> None:
+    """A gradient hook that holds this rank inside backward when the driver asks for it."""
+    flag = out / "pause_in_backward"
+
+    def on_grad(grad: torch.Tensor) -> None:
+        if flag.exists() and flag.read_text().strip() == str(rank):
+            flag.unlink(missing_ok=True)
+            write_atomically(out / "in_backward", str(os.getpid()))
+            time.sleep(5)
+
+    model[0].weight.register_hook(on_grad)
+
+
 def count_ids(counts: torch.Tensor, epoch: int, ids: torch.Tensor, world_size: int) -> None:
     """Add the global batch's ids (gathered from every rank) to this epoch's counts."""
     gathered = [torch.empty_like(ids) for _ in range(world_size)]
@@ -92,8 +109,10 @@ def main() -> None:
     counts = torch.zeros(epochs, N_SAMPLES, dtype=torch.int32)
     if checkpointer.extra is not None:
         counts = checkpointer.extra["counts"]
-    (out / "pids").mkdir(parents=True, exist_ok=True)
+    for folder in ("pids", "steps"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
     write_atomically(out / "pids" / str(ctx.rank), str(os.getpid()))
+    pause_in_backward(model, out, ctx.rank)
     while step < args.steps:
         for x, y, ids in loader:
             optimizer.zero_grad()
@@ -105,6 +124,8 @@ def main() -> None:
             checkpointer.save(step, **parts, extra={"counts": counts})
             if ctx.rank == 0:
                 write_atomically(out / "progress", f"{os.getpid()} {step}")
+            with open(out / "steps" / str(ctx.rank), "a") as log:
+                log.write(f"{os.getpid()} {step} {time.time()}\n")
             time.sleep(args.step_sleep)
             if step == args.steps:
                 break
