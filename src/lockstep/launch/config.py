@@ -16,6 +16,7 @@ MAX_AUTO_CPU_PROCS = 4
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_STALL_TIMEOUT_S = 60.0
 DEFAULT_EXIT_GRACE_S = 30.0
+DEFAULT_REJOIN_TIMEOUT_S = 120.0
 
 
 def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +54,8 @@ class RunConfig:
         exit_grace_s: seconds a worker may take to exit after its script ended well,
             before it is named with its stack and ended (`lockstep.launch.exitwatch`).
         live_recovery: replace a lost worker live, keeping the others (`launch/live.py`).
+        rejoin_timeout_s: with live recovery on several nodes, how long the others wait
+            for a lost node to be started again and rejoin (`launch/live_nodes.py`).
         secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
             alone generates one): `lockstep.launch.secret`.
     """
@@ -72,6 +75,7 @@ class RunConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     trace_dir: str | None = None
     live_recovery: bool = False
+    rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     secret_file: str | None = None
 
@@ -108,10 +112,10 @@ class RunConfig:
         self._check_stall_timeout()
 
     def _check_stall_timeout(self) -> None:
-        if self.live_recovery and self.nnodes > 1:
+        if not 0 < self.rejoin_timeout_s < 1e6:
             raise ValueError(
-                f"--live-recovery covers one node in this version; found --nnodes {self.nnodes}. "
-                "Drop the flag: a lost worker then restarts the whole group (--max-restarts)."
+                f"--rejoin-timeout must be a positive number of seconds (how long the other "
+                f"nodes wait for a lost node to come back); found {self.rejoin_timeout_s}"
             )
         if self.stall_timeout_s < 0:
             raise ValueError(
