@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -115,15 +114,7 @@ class LiveReplacer:
 
     def _declared_refusal(self, group: WorkerGroup, world_size: int) -> str | None:
         """The first reason a rank posted for not being recoverable, or None."""
-        store = self._worker_store(group)
-        for rank in range(world_size):
-            key = regroup.READY_KEY.format(rank=rank)
-            if not store.check([key]):
-                return f"rank {rank} had not declared itself recoverable (before its restore())"
-            said = store.get(key).decode()
-            if said:
-                return f"rank {rank}: {said}"
-        return None
+        return generations.declared_refusal(self._worker_store(group), world_size)
 
     def _replace(
         self,
@@ -173,11 +164,6 @@ class LiveReplacer:
 
     def _worker_store(self, group: WorkerGroup) -> dist.Store:
         if self._store is None:
-            self._store = dist.TCPStore(
-                str(group.master_addr),
-                int(group.master_port or 0),
-                is_master=False,
-                timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                wait_for_workers=False,
-            )
+            addr, port = str(group.master_addr), int(group.master_port or 0)
+            self._store = generations.client(addr, port, STORE_TIMEOUT_S)
         return self._store

@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group, scratch, store, tracing
+from lockstep.launch import group, live_nodes, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.exitwatch import ExitWatch
@@ -137,6 +137,7 @@ def _agent(
         stalls=stalls,
         exits=exits,
         live=LiveReplacer() if cfg.live_recovery else None,
+        nodes=live_nodes.prepare(cfg, rendezvous, _silence_s(cfg)),
     )
 
 
