@@ -78,7 +78,7 @@ class NodeWatch:
         if agent.node_rank != 0:
             return [node for node in silent if node == 0]  # node 0 decides for the others
         lost = self._follow(agent)
-        for node, why in self._newly_lost(agent, silent):
+        for node, why in self._newly_lost(agent, silent, set(lost)):
             reason = self._refusal(agent)
             if reason is not None:
                 log.warning("live recovery not possible: node %d %s, and %s; %s",
@@ -88,10 +88,14 @@ class NodeWatch:
                 self._invite(agent, node, why)
         return lost
 
-    def _newly_lost(self, agent: LockstepAgent, silent: list[int]) -> list[tuple[int, str]]:
+    def _newly_lost(
+        self, agent: LockstepAgent, silent: list[int], skip: set[int]
+    ) -> list[tuple[int, str]]:
         now, found = time.monotonic(), []
         for node in range(1, agent.rendezvous.nnodes):
-            if node in self.waiting or now - self._back.get(node, -1e9) < self.silence_s:
+            if node in self.waiting or node in skip:
+                continue
+            if now - self._back.get(node, -1e9) < self.silence_s:
                 continue
             request = agent.rendezvous.take(REQUEST_KEY.format(node=node))
             quiet = agent.silence(node)
