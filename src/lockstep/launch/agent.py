@@ -23,7 +23,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
-from lockstep.launch.live import FALLBACK, LiveReplacer
+from lockstep.launch.live import FALLBACK, NO_RESTART_LEFT, LiveReplacer
 from lockstep.launch.live_nodes import NodeWatch
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
@@ -165,8 +165,9 @@ class LockstepAgent(LocalElasticAgent):
             f" ({master.addr})" if master else ""
         )
         if self._live is not None:
-            log.warning("live recovery not possible: node 0 was lost, and its launcher hosts the "
-                        "stores of the job's generations; %s", FALLBACK)  # fmt: skip
+            then = FALLBACK if self._remaining_restarts else NO_RESTART_LEFT
+            log.warning("live recovery not possible: node 0 was lost, and its launcher hosts "
+                        "the stores of the job's generations; %s", then)  # fmt: skip
         if self._remaining_restarts == 0 or self.node_rank == 0:
             self.store_lost = True
             raise StoreLostError(self.rendezvous.endpoint, error, between) from None

@@ -28,6 +28,10 @@ from lockstep.launch import generations
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
 FALLBACK = "falling back to the whole-group restart from the last checkpoint (--max-restarts)"
+NO_RESTART_LEFT = (
+    "no whole-group restart is left (--max-restarts): the job ends; start every node again "
+    "with the same arguments to resume from the last checkpoint"
+)
 
 
 def _describe_exit(code: int) -> str:

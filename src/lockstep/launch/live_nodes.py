@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.launch import generations
 from lockstep.launch.config import RunConfig
-from lockstep.launch.live import FALLBACK, STORE_TIMEOUT_S
+from lockstep.launch.live import FALLBACK, NO_RESTART_LEFT, STORE_TIMEOUT_S
 from lockstep.runtime.live import ANNOUNCE_WAIT_VARIABLE
 
 if TYPE_CHECKING:
@@ -162,11 +162,7 @@ class NodeWatch:
                 f"--rdzv-timeout for every node: start `lockstep run --node-rank {node}` "
                 "with the job's arguments"
             )
-        return (
-            f"live recovery not possible: {timeout}, and no whole-group restart is left "
-            f"(--max-restarts): the job ends; start every node again (node {node} included) "
-            "with the same arguments to resume from the last checkpoint"
-        )
+        return f"live recovery not possible: {timeout}, and {NO_RESTART_LEFT}"
 
     def _worker_store(self, group: Any) -> Any:
         if self._store is None:
