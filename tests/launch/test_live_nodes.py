@@ -1,0 +1,170 @@
+"""`lockstep run --live-recovery` on two nodes (network namespaces), with real kills.
+
+Node 0 runs in namespace a, node 1 in b, two workers each (`train_live.py`). The
+oracle is one uninterrupted run of the same script, four workers on one node, shared
+by every scenario: final parameters and Adam state of every rank must be bitwise
+equal. A worker lost on either node (rank 3 on node 1, then rank 0 on node 0) is
+replaced by its own node's launcher while every other process keeps running; a lost
+node (every process in its namespace SIGKILLed) started again takes its place in
+the running job; a lost node that does not come back, and the loss of node 0, end
+with the one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+import torch
+from launchkit import Launcher, node_args, wait_all
+
+from lockstep.launch.cli import add_parser, run_config
+from lockstep.testing.netns import Host
+
+SCRIPT = str(Path(__file__).with_name("train_live.py"))
+STEPS = 8
+WAIT_S = 150
+FLAGS = ["--live-recovery", "--rdzv-timeout", "20"]  # a node is lost after 10 s of silence
+ENV = {"LOCKSTEP_STALL_WARN_S": "60"}
+
+
+def _script(out: Path, sleep: float = 0.0) -> list[str]:
+    steps = ["--steps", str(STEPS), "--save-every", "100", "--step-sleep", str(sleep)]
+    return [SCRIPT, "--out", str(out), *steps]
+
+
+def _node(host: Host, a: Host, rank: int, out: Path, flags: list[str], log: str, **kw) -> Launcher:
+    script = _script(out, kw.get("sleep", 0.0))
+    env = {**ENV, "LOCKSTEP_TEST_KILL": kw.get("kill", "")}
+    return Launcher([*node_args(a, rank, extra=flags), *script], out / log, host, env=env)
+
+
+def _start(hosts: tuple[Host, Host], out: Path, flags: list[str], **kw) -> list[Launcher]:
+    out.mkdir(parents=True, exist_ok=True)
+    a, _ = hosts
+    return [_node(h, a, r, out, flags, f"node{r}.log", **kw) for r, h in enumerate(hosts)]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    """The uninterrupted run: four workers on one node (two nodes give the same bits)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    argv = ["--nproc-per-node", "4", *_script(out)]
+    launcher = Launcher(argv, out / "launcher.log", env=ENV)
+    assert launcher.wait(WAIT_S) == 0, launcher.log()
+    return out
+
+
+def _final(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    state = torch.load(out / f"final_rank{rank}.pt")
+    flat = {f"model/{k}": v for k, v in state["model"].items()}
+    for index, entry in state["optimizer"]["state"].items():
+        flat.update({f"adam/{index}/{k}": torch.as_tensor(v) for k, v in entry.items()})
+    return flat
+
+
+def _assert_bitwise(out: Path, oracle: Path) -> None:
+    for rank in range(4):
+        mine, expected = _final(out, rank), _final(oracle, rank)
+        differ = [k for k in expected if not torch.equal(mine[k], expected[k])]
+        assert not differ, f"rank {rank} differs from the uninterrupted run in {differ}"
+
+
+def _processes(out: Path) -> list[str]:
+    """'<rank>.<generation>.<restart>' for every process that started the script."""
+    return sorted(p.name for p in (out / "pids").iterdir())
+
+
+def _kill_node(host: Host) -> None:
+    """SIGKILL every process in the host's namespace: its launcher and its workers."""
+    argv = ["ip", "netns", "pids", host.namespace]
+    for pid in subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split():
+        with suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _await_line(launcher: Launcher, line: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while line not in launcher.log():
+        assert launcher.proc.poll() is None, launcher.log()
+        assert time.monotonic() < deadline, launcher.log()
+        time.sleep(0.05)
+
+
+def two_nodes(test):
+    """Namespaces (one at a time under xdist), seconds of processes, a bound on the whole."""
+    return pytest.mark.netns(pytest.mark.slow(pytest.mark.timeout(400)(test)))
+
+
+@two_nodes
+def test_a_worker_lost_on_either_node_is_replaced_live_and_bitwise(oracle, hosts, tmp_path):
+    """Rank 3 (node 1) dies in backward, then rank 0 (node 0) in forward: two generations,
+    each claimed by the victim's own node; every other process runs to the end."""
+    launchers = _start(hosts, tmp_path, FLAGS, kill="3:1:backward,0:3:forward")
+    codes = wait_all(launchers, WAIT_S)
+    node0, node1 = (launcher.log() for launcher in launchers)
+    assert codes == [0, 0], node0 + node1
+    assert "live recovery: rank 3 (pid" in node1 and "generation 1" in node1, node1
+    assert "live recovery: rank 0 (pid" in node0 and "generation 2" in node0, node0
+    for rank, log in ((0, node0), (1, node0), (2, node1)):
+        assert f"[rank {rank}]: live recovery: generation 1, rank(s) [3] replaced" in log, log
+    assert "restart 1" not in node0 + node1
+    expected = ["0.0.0", "0.2.0", "1.0.0", "2.0.0", "3.0.0", "3.1.0"]
+    assert _processes(tmp_path) == expected, node0 + node1
+    _assert_bitwise(tmp_path, oracle)
+
+
+@two_nodes
+def test_a_lost_node_started_again_rejoins_the_running_job_bitwise(oracle, hosts, tmp_path):
+    a, b = hosts
+    node0, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3)
+    _await_line(node1, "rank 3 finished step 2")
+    _kill_node(b)
+    again = _node(b, a, 1, tmp_path, FLAGS, "node1_again.log", sleep=0.3)
+    codes = wait_all([node0, again], WAIT_S)
+    assert codes == [0, 0], node0.log() + again.log()
+    assert "node 1 was lost" in node0.log() and "node 1 rejoined" in node0.log(), node0.log()
+    assert "rejoined the running job: ranks [2, 3]" in again.log(), again.log()
+    # node 0's workers kept their processes; node 1's ranks started again in generation 1
+    processes = _processes(tmp_path)
+    assert processes == ["0.0.0", "1.0.0", "2.0.0", "2.1.0", "3.0.0", "3.1.0"], processes
+    _assert_bitwise(tmp_path, oracle)
+
+
+@two_nodes
+def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
+    node0, _ = _start(hosts, tmp_path, [*FLAGS, "--rejoin-timeout", "2"], sleep=0.3)
+    _await_line(node0, "rank 1 finished step 1")
+    _kill_node(hosts[1])
+    assert node0.wait(WAIT_S) == 1, node0.log()
+    assert "node 1 was lost (no heartbeat for" in node0.log()
+    line = "live recovery not possible: node 1 did not rejoin within 2 s (--rejoin-timeout)"
+    assert line in node0.log(), node0.log()
+
+
+@two_nodes
+def test_node_0_lost_falls_back_with_one_line(hosts, tmp_path):
+    _, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3)
+    _await_line(node1, "rank 2 finished step 1")
+    _kill_node(hosts[0])
+    assert node1.wait(WAIT_S) == 1, node1.log()
+    assert "live recovery not possible: node 0 was lost" in node1.log(), node1.log()
+
+
+def test_rejoin_timeout_is_validated():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    flags = ["run", "--nnodes", "2", "--master-port", "29500", "--live-recovery", SCRIPT]
+    cfg = run_config(parser.parse_args(flags))
+    assert cfg.live_recovery and cfg.rejoin_timeout_s == 120
+    assert run_config(parser.parse_args([*flags[:-1], "--rejoin-timeout", "7", SCRIPT]))
+    for bad in ("0", "-3"):
+        ns = parser.parse_args([*flags[:-1], "--rejoin-timeout", bad, SCRIPT])
+        with pytest.raises(ValueError, match="--rejoin-timeout must be a positive number"):
+            run_config(ns)
