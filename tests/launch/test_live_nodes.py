@@ -42,7 +42,8 @@ def _script(out: Path, sleep: float = 0.0) -> list[str]:
 def _node(host: Host, a: Host, rank: int, out: Path, flags: list[str], log: str, **kw) -> Launcher:
     script = _script(out, kw.get("sleep", 0.0))
     env = {**ENV, "LOCKSTEP_TEST_KILL": kw.get("kill", "")}
-    return Launcher([*node_args(a, rank, extra=flags), *script], out / log, host, env=env)
+    argv = [*node_args(a, rank, nproc=kw.get("nproc", 2), extra=flags), *script]
+    return Launcher(argv, out / log, host, env=env)
 
 
 def _start(hosts: tuple[Host, Host], out: Path, flags: list[str], **kw) -> list[Launcher]:
@@ -139,8 +140,8 @@ def test_a_lost_node_started_again_rejoins_the_running_job_bitwise(oracle, hosts
 
 @two_nodes
 def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
-    node0, _ = _start(hosts, tmp_path, [*FLAGS, "--rejoin-timeout", "2"], sleep=0.3)
-    _await_line(node0, "rank 1 finished step 1")
+    node0, _ = _start(hosts, tmp_path, [*FLAGS, "--rejoin-timeout", "2"], sleep=0.3, nproc=1)
+    _await_line(node0, "rank 0 finished step 1")
     _kill_node(hosts[1])
     assert node0.wait(WAIT_S) == 1, node0.log()
     assert "node 1 was lost (no heartbeat for" in node0.log()
@@ -150,8 +151,8 @@ def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
 
 @two_nodes
 def test_node_0_lost_falls_back_with_one_line(hosts, tmp_path):
-    _, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3)
-    _await_line(node1, "rank 2 finished step 1")
+    _, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3, nproc=1)
+    _await_line(node1, "rank 1 finished step 1")
     _kill_node(hosts[0])
     assert node1.wait(WAIT_S) == 1, node1.log()
     assert "live recovery not possible: node 0 was lost" in node1.log(), node1.log()
