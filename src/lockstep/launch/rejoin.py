@@ -67,19 +67,20 @@ class Rejoiner:
         held = _read(rdzv, f"node/{node}", round_)
         if not isinstance(held, dict) or held.get("nonce") == rdzv._nonce:
             return opened  # free, or ours: the usual claim
-        invite = _read(rdzv, INVITE_KEY.format(node=node), round_)
-        if isinstance(invite, dict):
-            return self._take(rdzv, opened, int(invite["serial"]))
-        return self._ask(rdzv, opened)
-
-    def _ask(self, rdzv: LockstepRendezvous, opened: dict) -> dict | None:
-        node, round_ = rdzv.me.node_rank, int(opened["round"])
         beat = _read(rdzv, ALIVE_KEY.format(node=node), round_)
         beat = beat if isinstance(beat, int) else 0
         if self._first_beat is None:
             self._first_beat = beat
         elif beat > self._first_beat:
             return opened  # node K still beats: a duplicated --node-rank, the claim says so
+        invite = _read(rdzv, INVITE_KEY.format(node=node), round_)
+        if isinstance(invite, dict):
+            return self._take(rdzv, opened, int(invite["serial"]))
+        return self._ask(rdzv, round_)
+
+    def _ask(self, rdzv: LockstepRendezvous, round_: int) -> None:
+        """Post this launcher's request once (node 0 invites it once K is silent 3 s)."""
+        node = rdzv.me.node_rank
         if not self._asked:
             self._asked = True
             _write(rdzv, REQUEST_KEY.format(node=node), round_, rdzv._nonce)
