@@ -24,7 +24,10 @@ import pytest
 import torch
 from launchkit import Launcher, node_args, wait_all
 
+from lockstep import regroup
+from lockstep.launch import generations
 from lockstep.launch.cli import add_parser, run_config
+from lockstep.launch.store import host
 from lockstep.testing.netns import Host
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
@@ -169,3 +172,35 @@ def test_rejoin_timeout_is_validated():
         ns = parser.parse_args([*flags[:-1], "--rejoin-timeout", bad, SCRIPT])
         with pytest.raises(ValueError, match="--rejoin-timeout must be a positive number"):
             run_config(ns)
+
+
+class _Interleaved:
+    """A worker-store client that lets another launcher claim just before its own swap."""
+
+    def __init__(self, store, other) -> None:
+        self.store, self.other = store, other
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self.other()
+        return self.store.compare_set(key, expected, desired)
+
+
+def test_generations_are_claimed_once_for_the_whole_job():
+    """Two nodes that lose a worker at once: one claim wins, the other falls back; a claim
+    while a generation forms is refused; once every rank joined, the next number follows."""
+    server, port = host("127.0.0.1", 0, 10)
+    node0, node1 = (generations.client("127.0.0.1", port, 10) for _ in range(2))
+    theirs: list[int | str] = []
+    racing = _Interleaved(node0, lambda: theirs.append(generations.claim(node1, [3], 4)))
+    mine = generations.claim(racing, [1], 4)
+    assert theirs == [1]
+    assert mine == "rank(s) [1] failed while another node announced generation 1 for rank(s) [3]"
+    assert "generation 1 (rank(s) [3]) was still forming" in str(generations.claim(node0, [1], 4))
+    for rank in range(4):
+        node0.set(regroup.JOINED_KEY.format(generation=1, rank=rank), "1")
+    assert generations.claim(node0, [1], 4) == 2
+    assert regroup.read_announcement(node1) == (2, [1])
+    del server
