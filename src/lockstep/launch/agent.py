@@ -23,7 +23,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
-from lockstep.launch.live import FALLBACK, NO_RESTART_LEFT, LiveReplacer
+from lockstep.launch.live import LiveReplacer
 from lockstep.launch.live_nodes import NodeWatch
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
@@ -135,8 +135,8 @@ class LockstepAgent(LocalElasticAgent):
             self._nodes.reset()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        rejoin = getattr(self.rendezvous, "rejoin", None)
-        if rejoin is not None and rejoin.taken:  # in a lost node's place (`launch/rejoin.py`)
+        rejoin = self.rendezvous.rejoin  # in a lost node's place (`launch/rejoin.py`)
+        if rejoin is not None and rejoin.taken:
             return rejoin.start(self, worker_group, super()._start_workers)
         return super()._start_workers(worker_group)
 
@@ -164,10 +164,8 @@ class LockstepAgent(LocalElasticAgent):
         between = f"node {self.node_rank} ({self.rendezvous.me.addr}) and node 0" + (
             f" ({master.addr})" if master else ""
         )
-        if self._live is not None:
-            then = FALLBACK if self._remaining_restarts else NO_RESTART_LEFT
-            log.warning("live recovery not possible: node 0 was lost, and its launcher hosts "
-                        "the stores of the job's generations; %s", then)  # fmt: skip
+        if self._nodes is not None:  # a live job: say why it is not recovered live
+            self._nodes.store_lost(self._remaining_restarts)
         if self._remaining_restarts == 0 or self.node_rank == 0:
             self.store_lost = True
             raise StoreLostError(self.rendezvous.endpoint, error, between) from None

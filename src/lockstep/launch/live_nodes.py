@@ -164,6 +164,12 @@ class NodeWatch:
             )
         return f"live recovery not possible: {timeout}, and {NO_RESTART_LEFT}"
 
+    def store_lost(self, remaining_restarts: int) -> None:
+        """Node 0 (the stores' host) is lost: the one line saying why nothing is live."""
+        then = FALLBACK if remaining_restarts else NO_RESTART_LEFT
+        log.warning("live recovery not possible: node 0 was lost, and its launcher hosts the "
+                    "stores of the job's generations; %s", then)  # fmt: skip
+
     def _worker_store(self, group: Any) -> Any:
         if self._store is None:
             addr, port = str(group.master_addr), int(group.master_port or 0)
