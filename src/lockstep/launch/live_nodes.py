@@ -20,20 +20,17 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lockstep.launch import generations
 from lockstep.launch.config import RunConfig
 from lockstep.launch.live import FALLBACK, NO_RESTART_LEFT, STORE_TIMEOUT_S
+from lockstep.launch.rejoin import INVITE_KEY, REQUEST_KEY, TAKEN_KEY, Rejoiner, swap
 from lockstep.runtime.live import ANNOUNCE_WAIT_VARIABLE
 
-if TYPE_CHECKING:
-    from lockstep.launch.agent import LockstepAgent
+LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module
 
 log = logging.getLogger("lockstep.run")
-INVITE_KEY = "rejoin/{node}"  # node 0's invitation: {"serial": n, "ranks": [...]}
-TAKEN_KEY = "rejoin/{node}/{serial}/taken"  # {"nonce": the joiner's} or "expired"
-REQUEST_KEY = "rejoin/{node}/request"  # a joiner's nonce: "let me in"
 REJOIN_SILENCE_S = 3.0  # a node silent this long may be replaced by one that asks
 ANNOUNCE_MARGIN_S = 30.0
 
@@ -42,13 +39,6 @@ ANNOUNCE_MARGIN_S = 30.0
 class _Wait:
     serial: int
     since: float  # monotonic, when it was declared lost
-
-
-def swap(rendezvous: Any, name: str, value: Any, round_: int | None = None) -> Any:
-    """Set the sealed `name` (of the round) to `value` unless it is set; returns its value."""
-    key = rendezvous.key(name, round_)
-    now = rendezvous.store.call("compare_set", key, "", rendezvous.signer.seal(key, value))
-    return rendezvous.signer.open(key, now)
 
 
 class NodeWatch:
@@ -182,8 +172,6 @@ def prepare(cfg: RunConfig, rendezvous: Any, silence_s: float) -> NodeWatch | No
     and the workers' wait for an announcement, longer than a lost node may take."""
     if not cfg.live_recovery or cfg.nnodes == 1:
         return None
-    from lockstep.launch.rejoin import Rejoiner
-
     wait_s = silence_s + cfg.rejoin_timeout_s + ANNOUNCE_MARGIN_S
     os.environ[ANNOUNCE_WAIT_VARIABLE] = str(wait_s)  # the workers inherit it
     if cfg.node_rank != 0:

@@ -24,16 +24,25 @@ from lockstep import regroup
 from lockstep.errors import LockstepError
 from lockstep.launch import generations
 from lockstep.launch.live import STORE_TIMEOUT_S
-from lockstep.launch.live_nodes import INVITE_KEY, REQUEST_KEY, TAKEN_KEY, swap
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-    from lockstep.launch.agent import LockstepAgent
     from lockstep.launch.rendezvous import LockstepRendezvous
 
 log = logging.getLogger("lockstep.run")
+LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module through live_nodes
 ALIVE_KEY = "alive/{node}"  # `agent.ALIVE_KEY`: the heartbeat of a node in a round
+INVITE_KEY = "rejoin/{node}"  # node 0's invitation: {"serial": n, "ranks": [...]}
+TAKEN_KEY = "rejoin/{node}/{serial}/taken"  # {"nonce": the joiner's} or "expired"
+REQUEST_KEY = "rejoin/{node}/request"  # a joiner's nonce: "let me in"
+
+
+def swap(rendezvous: Any, name: str, value: Any, round_: int | None = None) -> Any:
+    """Set the sealed `name` (of the round) to `value` unless it is set; returns its value."""
+    key = rendezvous.key(name, round_)
+    now = rendezvous.store.call("compare_set", key, "", rendezvous.signer.seal(key, value))
+    return rendezvous.signer.open(key, now)
 
 
 class RejoinError(LockstepError):
