@@ -11,6 +11,8 @@ does. It works under any launcher; `lockstep run` additionally ends a stalled ru
 Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds a
 wait: past it the waiting rank exits, its message (and torchrun's error file)
 naming the rank(s) that never launched the collective, so the run ends blaming them.
+Under live recovery a wait polls instead of blocking, so that the announcement of a
+new generation ends it (`interrupt_with`, `runtime/live.py`).
 """
 
 from __future__ import annotations
