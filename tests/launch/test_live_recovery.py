@@ -10,14 +10,11 @@ with its one-line reason.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 import torch
 from launchkit import Launcher
-
-from lockstep.launch.cli import add_parser, run_config
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
 STEPS = 6
@@ -94,13 +91,3 @@ def test_sharded_engine_falls_back_to_the_whole_group_restart(tmp_path):
     assert "live recovery not possible: rank 0: lockstep.ShardedDataParallel keeps" in log, log
     assert "falling back to the whole-group restart" in log, log
     assert _processes(tmp_path) == ["0.0.0", "0.0.1", "1.0.0", "1.0.1"], log
-
-
-def test_live_recovery_is_refused_across_nodes():
-    """One node in this version: the flag with --nnodes 2 is a one-line error, not a surprise."""
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    flags = ["run", "--nnodes", "2", "--master-port", "29500", "--live-recovery", SCRIPT]
-    with pytest.raises(ValueError, match="--live-recovery covers one node"):
-        run_config(parser.parse_args(flags))
-    assert run_config(parser.parse_args(["run", "--live-recovery", SCRIPT])).live_recovery

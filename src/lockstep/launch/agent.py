@@ -24,6 +24,7 @@ from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.live import LiveReplacer
+from lockstep.launch.live_nodes import NodeWatch
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
@@ -58,6 +59,7 @@ class LockstepAgent(LocalElasticAgent):
         stalls: the workers' progress watch (`lockstep.launch.stall`); None: off.
         exits: the bound on a worker's exit after its script (`lockstep.launch.exitwatch`).
         live: replaces a lost worker and keeps the others (`lockstep.launch.live`); None: off.
+        nodes: waits for a lost node to rejoin a live job (`lockstep.launch.live_nodes`).
     """
 
     def __init__(
@@ -70,10 +72,13 @@ class LockstepAgent(LocalElasticAgent):
         stalls: StallWatch | None = None,
         exits: ExitWatch | None = None,
         live: LiveReplacer | None = None,
+        nodes: NodeWatch | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._live = live
+        self._nodes = nodes
+        self.beat_floor = 0  # a node that took a lost node's place counts on from its beats
         self._stalls = stalls
         self._exits = exits
         self._watchdog = watchdog
@@ -101,7 +106,7 @@ class LockstepAgent(LocalElasticAgent):
         key = ALIVE_KEY.format(node=self.node_rank)
         beat = 0
         while not self._stop_beating.wait(BEAT_S):
-            beat += 1
+            beat = max(beat, self.beat_floor) + 1
             try:
                 self.rendezvous.put(key, beat)
             except StoreUnreachable:  # the watch step reports it, and the store is dialed again
@@ -128,6 +133,14 @@ class LockstepAgent(LocalElasticAgent):
             self._exits.reset()
         if self._live is not None:
             self._live.reset()
+        if self._nodes is not None:
+            self._nodes.reset()
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        rejoin = self.rendezvous.rejoin  # in a lost node's place (`launch/rejoin.py`)
+        if rejoin is not None and rejoin.taken:
+            return rejoin.start(self, worker_group, super()._start_workers)
+        return super()._start_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._watchdog.pet("stopping the workers", self._shutdown_timeout)
@@ -153,6 +166,8 @@ class LockstepAgent(LocalElasticAgent):
         between = f"node {self.node_rank} ({self.rendezvous.me.addr}) and node 0" + (
             f" ({master.addr})" if master else ""
         )
+        if self._nodes is not None:  # a live job: say why it is not recovered live
+            self._nodes.store_lost(self._remaining_restarts)
         if self._remaining_restarts == 0 or self.node_rank == 0:
             self.store_lost = True
             raise StoreLostError(self.rendezvous.endpoint, error, between) from None
@@ -177,7 +192,7 @@ class LockstepAgent(LocalElasticAgent):
             if cause:
                 self._end_round(cause, [])
                 return RunResult(state=WorkerState.FAILED)
-            if self._stalls is not None:
+            if self._stalls is not None and not (self._nodes and self._nodes.waiting):
                 return self._check_stall(worker_group, result)
         return result
 
@@ -199,6 +214,8 @@ class LockstepAgent(LocalElasticAgent):
         if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
+        if self._nodes is not None:  # a live job waits for a lost node (`launch/live_nodes.py`)
+            lost = self._nodes.judge(self, lost)
         if lost:
             nodes = ", ".join(map(str, lost))
             return (
@@ -213,6 +230,10 @@ class LockstepAgent(LocalElasticAgent):
         return ", ".join(
             f"node {n} ({known[n].addr})" if n in known else f"node {n}" for n in nodes
         )
+
+    def silence(self, node: int) -> float:
+        """Seconds since node `node`'s heartbeat last advanced (0.0 before any was seen)."""
+        return time.monotonic() - self._beats.get(node, (0, time.monotonic()))[1]
 
     def _silent_nodes(self) -> list[int]:
         now = time.monotonic()

@@ -18,6 +18,7 @@ from lockstep.env import DEFAULT_MASTER_ADDR, read_slurm_nodes
 from lockstep.launch.config import (
     DEFAULT_EXIT_GRACE_S,
     DEFAULT_RDZV_TIMEOUT_S,
+    DEFAULT_REJOIN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
     RunConfig,
     add_nproc_flag,
@@ -64,8 +65,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--live-recovery",
         action="store_true",
         help="replace a worker killed by a signal with a new process of the same rank while "
-        "the others keep running (one node, lockstep.DistributedDataParallel, gloo; "
-        "docs/multinode.md, 'Live recovery'); anything else restarts the whole group",
+        "the others keep running (lockstep.DistributedDataParallel, gloo; docs/multinode.md, "
+        "'Live recovery'); anything else restarts the whole group",
+    )
+    run.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=DEFAULT_REJOIN_TIMEOUT_S,
+        help="with --live-recovery on several nodes: seconds the others keep their workers "
+        "waiting for a lost node to be started again (same arguments) before the whole-group "
+        "restart (default 120)",
     )
     run.add_argument(
         "--spares",
@@ -164,6 +173,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         live_recovery=ns.live_recovery,
         spares=ns.spares,
         replace_stuck=ns.replace_stuck,
+        rejoin_timeout_s=ns.rejoin_timeout,
     )
 
 

@@ -16,6 +16,7 @@ MAX_AUTO_CPU_PROCS = 4
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_STALL_TIMEOUT_S = 60.0
 DEFAULT_EXIT_GRACE_S = 30.0
+DEFAULT_REJOIN_TIMEOUT_S = 120.0
 
 
 def add_nproc_flag(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,8 @@ class RunConfig:
         spares: standby workers per node that take a lost rank (`launch/spares.py`).
         replace_stuck: with live_recovery, a worker the stall watch declares stuck is
             killed and replaced live instead of ending the round (`launch/stuck.py`).
+        rejoin_timeout_s: with live recovery on several nodes, how long the others wait
+            for a lost node to be started again and rejoin (`launch/live_nodes.py`).
         secret_file: a file holding the job's secret (else LOCKSTEP_JOB_SECRET; one node
             alone generates one): `lockstep.launch.secret`.
     """
@@ -77,6 +80,7 @@ class RunConfig:
     live_recovery: bool = False
     spares: int = 0
     replace_stuck: bool = False
+    rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     secret_file: str | None = None
 
@@ -114,10 +118,10 @@ class RunConfig:
         self._check_spares()
 
     def _check_stall_timeout(self) -> None:
-        if self.live_recovery and self.nnodes > 1:
+        if not 0 < self.rejoin_timeout_s < 1e6:
             raise ValueError(
-                f"--live-recovery covers one node in this version; found --nnodes {self.nnodes}. "
-                "Drop the flag: a lost worker then restarts the whole group (--max-restarts)."
+                f"--rejoin-timeout must be a positive number of seconds (how long the other "
+                f"nodes wait for a lost node to come back); found {self.rejoin_timeout_s}"
             )
         if self.replace_stuck and not (self.live_recovery and self.stall_timeout_s):
             raise ValueError(

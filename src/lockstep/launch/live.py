@@ -1,34 +1,38 @@
-"""Replace a lost worker and keep the others (`lockstep run --live-recovery`, one node).
+"""Replace a lost worker and keep the others (`lockstep run --live-recovery`).
 
 torch's agent stops every worker once one fails: its process context's poll closes
 them all. Before that poll, `LiveReplacer.check` looks at the workers itself. A
-worker killed by a signal, whose peers all declared themselves recoverable in the
-worker store (`lockstep.regroup` keys, posted by `runtime/live.py`), is replaced in
-place: a new process with the same rank, arguments and environment plus its
-generation; then the generation is announced in the store, where the survivors wait
-for it. Anything else is left to torch's poll, that is today's whole-group restart,
-and the reason is logged in one line. With `--spares K` an idle standby process
-takes the rank instead of a new one (`launch/spares.py`).
+worker killed by a signal, whose peers on every node declared themselves recoverable
+in the worker store (`lockstep.regroup` keys, posted by `runtime/live.py`), is
+replaced in place: its generation is claimed and announced in the store, where the
+survivors wait for it (`generations.claim`, one number for the whole job), and a new
+process starts with the same rank, arguments and environment plus that generation
+(with `--spares K`, an idle standby process takes the rank instead: `launch/spares.py`).
+Anything else is left to torch's poll, that is today's whole-group restart, and the
+reason is logged in one line.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from lockstep import regroup
+from lockstep.launch import generations
 from lockstep.launch.spares import SparePool, start_worker
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
 FALLBACK = "falling back to the whole-group restart from the last checkpoint (--max-restarts)"
+NO_RESTART_LEFT = (
+    "no whole-group restart is left (--max-restarts): the job ends; start every node again "
+    "with the same arguments to resume from the last checkpoint"
+)
 
 
 def _describe_exit(code: int) -> str:
@@ -54,14 +58,29 @@ class LiveReplacer:
         self.recoveries: list[tuple[int, float]] = []
         self._store: dist.Store | None = None
         self._pending: tuple[int, float] | None = None  # generation in recovery, since when
+        self._unreachable = False  # the worker store stopped answering (logged once)
 
     def reset(self) -> None:
         """A new rendezvous round (a whole-group restart): a new worker store, generation 0."""
         self.generation, self._store, self._pending = 0, None, None
+        self._unreachable = False
 
     def check(self, pcontext: Any, worker_group: WorkerGroup) -> None:
         """Replace failed workers live when possible; otherwise leave them to torch's poll."""
-        world_size = len(worker_group.workers)  # one node: every rank is local
+        try:
+            self._check(pcontext, worker_group, worker_group.workers[0].world_size)
+        except RuntimeError as error:  # the worker store (node 0's launcher) did not answer
+            if not self._unreachable:
+                self._unreachable = True
+                line = str(error).splitlines()[0] if str(error) else type(error).__name__
+                log.warning("live recovery not possible: the worker store did not answer (%s); %s",
+                            line, FALLBACK)  # fmt: skip
+
+    def follow(self, generation: int) -> None:
+        """This node's workers were started in `generation` (a rejoined node): log its forming."""
+        self.generation, self._pending = generation, (generation, time.monotonic())
+
+    def _check(self, pcontext: Any, worker_group: WorkerGroup, world_size: int) -> None:
         self._check_joined(worker_group, world_size)
         if self.spares is not None:
             self.spares.refill(recovering=self._pending is not None)
@@ -77,7 +96,11 @@ class LiveReplacer:
         if reason is not None:
             log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
             return
-        self._replace(failed, ranks, pcontext, worker_group)
+        claimed = generations.claim(self._worker_store(worker_group), ranks, world_size)
+        if isinstance(claimed, str):
+            log.warning("live recovery not possible: %s; %s", claimed, FALLBACK)
+            return
+        self._replace(failed, ranks, pcontext, worker_group, claimed)
 
     def _refusal(
         self, failed: dict[int, int], ranks: list[int], group: WorkerGroup, world_size: int
@@ -99,20 +122,18 @@ class LiveReplacer:
 
     def _declared_refusal(self, group: WorkerGroup, world_size: int) -> str | None:
         """The first reason a rank posted for not being recoverable, or None."""
-        store = self._worker_store(group)
-        for rank in range(world_size):
-            key = regroup.READY_KEY.format(rank=rank)
-            if not store.check([key]):
-                return f"rank {rank} had not declared itself recoverable (before its restore())"
-            said = store.get(key).decode()
-            if said:
-                return f"rank {rank}: {said}"
-        return None
+        return generations.declared_refusal(self._worker_store(group), world_size)
 
     def _replace(
-        self, failed: dict[int, int], ranks: list[int], pcontext: Any, group: WorkerGroup
+        self,
+        failed: dict[int, int],
+        ranks: list[int],
+        pcontext: Any,
+        group: WorkerGroup,
+        generation: int,
     ) -> None:
-        self.generation += 1
+        """Start the failed ranks again in `generation`, which `generations.claim` announced."""
+        self.generation = generation
         for local_rank, code in sorted(failed.items()):
             old = pcontext.subprocess_handlers[local_rank]
             env = {**pcontext.envs[local_rank], regroup.GENERATION_VARIABLE: str(self.generation)}
@@ -124,8 +145,6 @@ class LiveReplacer:
                 group.workers[local_rank].global_rank, old.proc.pid, _describe_exit(code),
                 handler.proc.pid, group.workers[local_rank].global_rank, self.generation,
             )  # fmt: skip
-        announcement = {"generation": self.generation, "replaced": ranks}
-        self._worker_store(group).set(regroup.ANNOUNCE_KEY, json.dumps(announcement))
         self._pending = (self.generation, time.monotonic())
 
     def close(self) -> None:
@@ -151,11 +170,6 @@ class LiveReplacer:
 
     def _worker_store(self, group: WorkerGroup) -> dist.Store:
         if self._store is None:
-            self._store = dist.TCPStore(
-                str(group.master_addr),
-                int(group.master_port or 0),
-                is_master=False,
-                timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                wait_for_workers=False,
-            )
+            addr, port = str(group.master_addr), int(group.master_port or 0)
+            self._store = generations.client(addr, port, STORE_TIMEOUT_S)
         return self._store

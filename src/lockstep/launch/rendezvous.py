@@ -81,6 +81,7 @@ class LockstepRendezvous(RendezvousHandler):
         self._nonce = secrets.token_hex(16)
         self._worker_server: TCPStore | None = None
         self._closed = False
+        self.rejoin: Any = None  # `launch/rejoin.py`'s Rejoiner, on a live job's nodes but 0
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key of `name` in round `round_` (default: the current one)."""
@@ -99,6 +100,8 @@ class LockstepRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout_s
         opened = self._retrying(deadline, self._open_round)
+        if self.rejoin is not None:  # a live job may be waiting for this node (`rejoin.py`)
+            opened = self._retrying(deadline, lambda: self.rejoin.step(self, opened))
         self.round = opened["round"]
         self._retrying(deadline, self._claim)
         self._retrying(deadline, self._wait_for_all)

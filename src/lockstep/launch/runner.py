@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch import group, scratch, store, tracing
+from lockstep.launch import group, live_nodes, scratch, store, tracing
 from lockstep.launch.agent import LockstepAgent
 from lockstep.launch.config import RunConfig
 from lockstep.launch.exitwatch import ExitWatch
@@ -138,6 +138,7 @@ def _agent(
         stalls=stalls,
         exits=exits,
         live=_live(cfg),
+        nodes=live_nodes.prepare(cfg, rendezvous, _silence_s(cfg)),
     )
 
 

@@ -225,11 +225,24 @@ def post_joined() -> None:
     store().set(key, "1")
 
 
+def _announced() -> None:
+    """A wait's check: a newer generation was announced, so a rank was lost: stop waiting.
+
+    On several nodes, a rank whose neighbours in the collective survived sees no error."""
+    generation, replaced = regroup.read_announcement(store())
+    if generation > _live.generation:
+        raise RuntimeError(
+            f"generation {generation} was announced while this rank waited (rank(s) "
+            f"{replaced} replaced)"
+        )
+
+
 class LiveSteps:
     """One driver's part: copies of the step's local gradients, and the recovery."""
 
     def __init__(self) -> None:
         self.kept: list[torch.Tensor] = []
+        waits.interrupt_with(_announced)
 
     def keep(self, buffer: torch.Tensor) -> None:
         """A bucket is about to be launched: copy its local (not yet reduced) gradients."""

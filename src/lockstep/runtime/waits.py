@@ -11,6 +11,8 @@ does. It works under any launcher; `lockstep run` additionally ends a stalled ru
 Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds a
 wait: past it the waiting rank exits, its message (and torchrun's error file)
 naming the rank(s) that never launched the collective, so the run ends blaming them.
+Under live recovery a wait polls instead of blocking, so that the announcement of a
+new generation ends it (`interrupt_with`, `runtime/live.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -177,6 +180,28 @@ def _end(wait: _Wait, age: float, end_s: float) -> None:
 
 
 _inspector: StallInspector | None = None
+_interrupts: list[Callable[[], None]] = []  # live recovery: raises when a rank was lost
+INTERRUPT_CHECK_S = 0.2
+
+
+def interrupt_with(check: Callable[[], None]) -> None:
+    """Under live recovery, a wait polls and calls `check` every INTERRUPT_CHECK_S: a rank
+    whose peers in the collective are alive would otherwise wait on a dead group for ever."""
+    _interrupts[:] = [check]
+
+
+def _block(handle: CollectiveHandle) -> None:
+    if not _interrupts:
+        handle.wait()
+        return
+    pause, next_check = 5e-5, time.monotonic() + INTERRUPT_CHECK_S
+    while not handle.poll():
+        time.sleep(pause)
+        pause = min(2 * pause, 0.002)
+        if time.monotonic() >= next_check:
+            _interrupts[0]()
+            next_check = time.monotonic() + INTERRUPT_CHECK_S
+    handle.wait()
 
 
 def inspector() -> StallInspector:
@@ -214,7 +239,7 @@ def wait(
     with progress.during(progress.Phase.WAITING, step, index, what):
         mine = watch.current = _Wait(what, step, group, time.monotonic())
         try:
-            handle.wait()
+            _block(handle)
         finally:
             with watch.lock:
                 watch.current = None
