@@ -20,7 +20,6 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from lockstep.errors import LockstepError
 from lockstep.launch import group
 from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.live import LiveReplacer
@@ -28,23 +27,11 @@ from lockstep.launch.live_nodes import NodeWatch
 from lockstep.launch.rendezvous import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.report import describe, restart_line
 from lockstep.launch.stall import StallWatch
-from lockstep.launch.store import StoreUnreachable
+from lockstep.launch.store import StoreLostError, StoreUnreachable
 from lockstep.launch.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
-ALIVE_KEY = "alive/{node}"  # within the current rendezvous round
 BEAT_S = 1.0
-
-
-class StoreLostError(LockstepError):
-    """The rendezvous store (hosted by node 0's launcher) stopped answering."""
-
-    def __init__(self, endpoint: str, error: BaseException, between: str) -> None:
-        super().__init__(
-            f"lost the rendezvous store at {endpoint}, which node 0's launcher hosts "
-            f"({error}). Node 0 stopped or the network between {between} failed: check "
-            "node 0's log."
-        )
 
 
 class LockstepAgent(LocalElasticAgent):
@@ -103,7 +90,7 @@ class LockstepAgent(LocalElasticAgent):
 
     def _beat(self) -> None:
         """Post a sealed, ever-growing count: a stranger can neither fake nor replay it."""
-        key = ALIVE_KEY.format(node=self.node_rank)
+        key = group.ALIVE_KEY.format(node=self.node_rank)
         beat = 0
         while not self._stop_beating.wait(BEAT_S):
             beat = max(beat, self.beat_floor) + 1
@@ -241,7 +228,7 @@ class LockstepAgent(LocalElasticAgent):
         for node in range(self.rendezvous.nnodes):
             if node == self.node_rank:
                 continue
-            count = self.rendezvous.take(ALIVE_KEY.format(node=node))
+            count = self.rendezvous.take(group.ALIVE_KEY.format(node=node))
             last_count, since = self._beats.get(node, (-1, now))
             if isinstance(count, int) and count > last_count:  # a replayed beat is no news
                 self._beats[node] = (count, now)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 REPORT_KEY = "report/{node}"  # keys within the current rendezvous round
 LEFT_KEY = "left/{node}"
+ALIVE_KEY = "alive/{node}"  # a node's heartbeat, a sealed growing count
 # Messages that mean "a peer went away", the echo of a failure rather than its cause.
 _ECHO = re.compile(
     r"connection (reset|closed|refused)|broken pipe|connectfullmesh|socket timeout|"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep import regroup
 from lockstep.errors import LockstepError
 from lockstep.launch import generations
+from lockstep.launch.group import ALIVE_KEY
 from lockstep.launch.live import STORE_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lockstep.run")
 LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module through live_nodes
-ALIVE_KEY = "alive/{node}"  # `agent.ALIVE_KEY`: the heartbeat of a node in a round
 INVITE_KEY = "rejoin/{node}"  # node 0's invitation: {"serial": n, "ranks": [...]}
 TAKEN_KEY = "rejoin/{node}/{serial}/taken"  # {"nonce": the joiner's} or "expired"
 REQUEST_KEY = "rejoin/{node}/request"  # a joiner's nonce: "let me in"

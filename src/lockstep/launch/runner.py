@@ -137,15 +137,11 @@ def _agent(
         watchdog=watchdog,
         stalls=stalls,
         exits=exits,
-        live=_live(cfg),
+        live=LiveReplacer(SparePool(cfg.spares) if cfg.spares else None)
+        if cfg.live_recovery
+        else None,
         nodes=live_nodes.prepare(cfg, rendezvous, _silence_s(cfg)),
     )
-
-
-def _live(cfg: RunConfig) -> LiveReplacer | None:
-    if not cfg.live_recovery:
-        return None
-    return LiveReplacer(SparePool(cfg.spares) if cfg.spares else None)
 
 
 def _describe_start(cfg: RunConfig, me: NodeInfo, route: Route, ifname: str) -> None:

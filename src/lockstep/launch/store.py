@@ -31,6 +31,17 @@ class StoreUnreachable(LockstepError):
     """A store call did not complete within its bound (or the store refused the connection)."""
 
 
+class StoreLostError(LockstepError):
+    """The rendezvous store (hosted by node 0's launcher) stopped answering."""
+
+    def __init__(self, endpoint: str, error: BaseException, between: str) -> None:
+        super().__init__(
+            f"lost the rendezvous store at {endpoint}, which node 0's launcher hosts "
+            f"({error}). Node 0 stopped or the network between {between} failed: check "
+            "node 0's log."
+        )
+
+
 def listen(addr: str, port: int) -> socket.socket:
     """A TCP socket listening on `addr`:`port` only (port 0: a free one)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
