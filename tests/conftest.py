@@ -33,15 +33,11 @@ def _hygiene():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`), tests that build network namespaces, a Slurm
     cluster or an MPI job run one at a time, on one worker each: they time real
-    heartbeats and cuts, which must not pile up on the two cores. The namespace tests
-    are two such lines (`netns(line="b")`), so that neither is the whole run's length;
-    each pair of namespaces is private (its own names and veth link), so they can."""
+    heartbeats and cuts, which must not share the two cores with each other."""
     for item in items:
         for kind in ("netns", "slurm", "mpi"):
-            marker = item.get_closest_marker(kind)
-            if marker and getattr(config.option, "loadgroup", False):
-                line = marker.kwargs.get("line")
-                _join_group(item, f"{kind}-{line}" if line else kind)
+            if item.get_closest_marker(kind) and getattr(config.option, "loadgroup", False):
+                _join_group(item, kind)
 
 
 def _join_group(item: pytest.Item, group: str) -> None:

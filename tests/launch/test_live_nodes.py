@@ -103,7 +103,7 @@ def _await_line(launcher: Launcher, line: str) -> None:
 
 def two_nodes(test):
     """Namespaces (one at a time under xdist), seconds of processes, a bound on the whole."""
-    return pytest.mark.netns(line="b")(pytest.mark.slow(pytest.mark.timeout(400)(test)))
+    return pytest.mark.netns(pytest.mark.slow(pytest.mark.timeout(400)(test)))
 
 
 @two_nodes
