@@ -53,8 +53,7 @@ def _processes(out: Path) -> list[str]:
 
 
 SCENARIOS = {
-    # rank 1 dies inside backward, buckets in flight; rank 0 finishes the same step
-    "1:3:backward": ["0.0.0", "1.0.0", "1.1.0"],
+    # (a kill inside backward, buckets in flight, opens test_live_faults.py's run)
     # rank 1 dies before its update of step 1; later rank 0 (the writer) dies in forward
     # and the state comes from rank 1's replacement: two generations in one run
     "1:1:optimizer,0:3:forward": ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
