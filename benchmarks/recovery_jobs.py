@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from pathlib import Path
 
-from lockstep.testing.netns import Host, two_hosts
+from lockstep.testing.netns import Host, kill_inside, two_hosts
 
 HERE = Path(__file__).parent
 TRAIN, TORCHFT = str(HERE / "recovery_train.py"), str(HERE / "recovery_torchft.py")
@@ -94,13 +92,8 @@ class _TwoNodes:
 
     def kill_node(self, node: int) -> float:
         """SIGKILL every process in node's namespace (launcher and workers); the time."""
-        listed = subprocess.run(
-            ["ip", "netns", "pids", self.hosts[node].namespace], capture_output=True, text=True
-        ).stdout.split()
         killed_at = time.time()
-        for pid in listed:
-            with suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        kill_inside(self.hosts[node].namespace)
         self.procs[node].wait(timeout=30)
         return killed_at
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from pathlib import Path
 
-from lockstep.testing.netns import Host
+from lockstep.testing.netns import Host, kill_inside
 
 TRAIN = str(Path(__file__).with_name("soak_train.py"))
 MASTER_PORT = 29561  # inside our own namespaces, so no other job can hold it
@@ -54,13 +52,8 @@ class Job:
 
     def kill_node(self, node: int) -> float:
         """SIGKILL every process in node's namespace (launcher and workers); the time."""
-        listed = subprocess.run(
-            ["ip", "netns", "pids", self.hosts[node].namespace], capture_output=True, text=True
-        ).stdout.split()
         killed_at = time.time()
-        for pid in listed:
-            with suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        kill_inside(self.hosts[node].namespace)
         proc = self.procs[node]
         if proc is not None:
             proc.wait(timeout=30)

@@ -13,22 +13,18 @@ loss of node 0, end with the one-line reason.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import time
-from contextlib import suppress
 from pathlib import Path
 
 import pytest
-import torch
 from launchkit import Launcher, node_args, wait_all
+from test_live_recovery import _assert_bitwise, _processes
 
 from lockstep import regroup
 from lockstep.launch import generations
 from lockstep.launch.cli import add_parser, run_config
 from lockstep.launch.store import host
-from lockstep.testing.netns import Host
+from lockstep.testing.netns import Host, kill_inside
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
 STEPS = 10
@@ -65,34 +61,6 @@ def oracle(tmp_path_factory) -> Path:
     return out
 
 
-def _final(out: Path, rank: int) -> dict[str, torch.Tensor]:
-    state = torch.load(out / f"final_rank{rank}.pt")
-    flat = {f"model/{k}": v for k, v in state["model"].items()}
-    for index, entry in state["optimizer"]["state"].items():
-        flat.update({f"adam/{index}/{k}": torch.as_tensor(v) for k, v in entry.items()})
-    return flat
-
-
-def _assert_bitwise(out: Path, oracle: Path) -> None:
-    for rank in range(4):
-        mine, expected = _final(out, rank), _final(oracle, rank)
-        differ = [k for k in expected if not torch.equal(mine[k], expected[k])]
-        assert not differ, f"rank {rank} differs from the uninterrupted run in {differ}"
-
-
-def _processes(out: Path) -> list[str]:
-    """'<rank>.<generation>.<restart>' for every process that started the script."""
-    return sorted(p.name for p in (out / "pids").iterdir())
-
-
-def _kill_node(host: Host) -> None:
-    """SIGKILL every process in the host's namespace: its launcher and its workers."""
-    argv = ["ip", "netns", "pids", host.namespace]
-    for pid in subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split():
-        with suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
 def _await_line(launcher: Launcher, line: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while line not in launcher.log():
@@ -115,7 +83,7 @@ def test_workers_lost_on_either_node_then_a_lost_node_are_recovered_live(oracle,
     a, b = hosts
     node0, node1 = _start(hosts, tmp_path, FLAGS, kill="3:1:backward,0:3:forward", sleep=0.2)
     _await_line(node1, "rank 3 finished step 4")  # generation 2 formed: step 4 needed all
-    _kill_node(b)
+    kill_inside(b.namespace)
     again = _node(b, a, 1, tmp_path, FLAGS, "node1_again.log", sleep=0.2)
     codes = wait_all([node0, again], WAIT_S)
     log0, log1, log1b = node0.log(), node1.log(), again.log()
@@ -131,14 +99,14 @@ def test_workers_lost_on_either_node_then_a_lost_node_are_recovered_live(oracle,
     # '<rank>.<generation>.<restart>': every process that ran the script
     expected = ["0.0.0", "0.2.0", "1.0.0", "2.0.0", "2.3.0", "3.0.0", "3.1.0", "3.3.0"]
     assert _processes(tmp_path) == expected, log0 + log1 + log1b
-    _assert_bitwise(tmp_path, oracle)
+    _assert_bitwise(tmp_path, oracle, world_size=4)
 
 
 @two_nodes
 def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
     node0, _ = _start(hosts, tmp_path, [*FLAGS, "--rejoin-timeout", "2"], sleep=0.3, nproc=1)
     _await_line(node0, "rank 0 finished step 1")
-    _kill_node(hosts[1])
+    kill_inside(hosts[1].namespace)
     assert node0.wait(WAIT_S) == 1, node0.log()
     assert "node 1 was lost (no heartbeat for" in node0.log()
     line = "live recovery not possible: node 1 did not rejoin within 2 s (--rejoin-timeout)"
@@ -149,7 +117,7 @@ def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
 def test_node_0_lost_falls_back_with_one_line(hosts, tmp_path):
     _, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3, nproc=1)
     _await_line(node1, "rank 1 finished step 1")
-    _kill_node(hosts[0])
+    kill_inside(hosts[0].namespace)
     assert node1.wait(WAIT_S) == 1, node1.log()
     assert "live recovery not possible: node 0 was lost" in node1.log(), node1.log()
 

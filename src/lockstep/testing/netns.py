@@ -1,12 +1,11 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, optionally shaped.
 
-Tests and benchmarks use this to run `lockstep run --nnodes 2` as if on two
-machines: each namespace has its own loopback and one veth end with its own
-address (10.213.N.1 and 10.213.N.2 by default), so processes inside can only
-reach each other over that link, whose rate and delay `tc` can set; `lan(n)` puts
-n hosts on one switch (a bridge in a namespace of its own), for a third host that
-watches or attacks, and `cut`/`heal` drop every packet a host sends (a partition
-without netem). Needs root and iproute2 (`ip`, `tc`). Typical use:
+Tests and benchmarks use this to run `lockstep run --nnodes 2` as if on two machines:
+each namespace has its own loopback and one veth end with its own address (10.213.N.1,
+10.213.N.2), so processes inside reach each other over that link only, whose rate and
+delay `tc` can set; `lan(n)` puts n hosts on one switch (a bridge in its own namespace)
+for a host that watches or attacks; `cut`/`heal` drop every packet a host sends;
+`kill_inside` ends a node's processes. Needs root and iproute2 (`ip`, `tc`). Use:
 
     with two_hosts(rate="1gbit") as (a, b):
         proc = b.popen(["python", "-c", "..."])
@@ -197,21 +196,21 @@ def _build(tag: str, link: str, subnet: int, hosts: list[Host]) -> None:
         hosts.append(host)
 
 
-def _kill_inside(namespace: str) -> None:
-    pids = subprocess.run(
-        ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
-    ).stdout.split()
-    for pid in pids:
+def kill_inside(namespace: str, remove: bool = False) -> None:
+    """SIGKILL every process inside `namespace` (a lost node: its launcher, its workers)."""
+    argv = ["ip", "netns", "pids", namespace]
+    for pid in subprocess.run(argv, capture_output=True, text=True, check=False).stdout.split():
         with suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+    if remove:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
 
 
 def _destroy(tag: str, link: str) -> None:
     """Kill what still runs inside the namespaces (ours by construction), then delete them."""
     subprocess.run(["ip", "link", "del", f"{link}a"], capture_output=True, check=False)
     for suffix in "ab":
-        _kill_inside(f"{tag}{suffix}")
+        kill_inside(f"{tag}{suffix}", remove=True)
 
 
 @contextmanager
@@ -296,5 +295,5 @@ def lan(count: int = 3, prefix: str = "ln") -> Iterator[list[Host]]:
         yield hosts
     finally:
         for index in range(count):
-            _kill_inside(f"{tag}{index}")
-        _kill_inside(f"{tag}s")
+            kill_inside(f"{tag}{index}", remove=True)
+        kill_inside(f"{tag}s", remove=True)
