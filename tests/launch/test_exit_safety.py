@@ -95,9 +95,11 @@ def test_a_worker_that_does_not_exit_after_its_script_is_named_and_ended(block):
     cmd = [*RUN, "--exit-grace", "2", str(HERE / "train_exit_blocks.py"), "--block", block]
     code, out, seconds = launch(cmd)
     assert code == 0, f"exit code {code} after {seconds:.0f} s:\n{out[-3000:]}"
-    assert out.count("finished its script") == 2, out[-3000:]
+    # The watch names a late rank with its stack; a peer still inside its grace when the
+    # first is ended is stopped by torch's agent instead (a race): both end as successes.
+    assert "finished its script" in out, out[-3000:]
     assert "block_forever" in out, out[-3000:]  # the stack shows where it blocks
-    assert "ended after their script succeeded" in out, out[-3000:]
+    assert "rank(s) 0, 1 ended after their script succeeded" in out, out[-3000:]
 
 
 @pytest.mark.timeout(HANG_S + 60)
