@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,6 +60,11 @@ def test_two_hosts_reach_each_other_only_over_their_link(netns_ready):
         lo = b.run(["ip", "-o", "addr", "show"], capture_output=True, text=True).stdout
         assert b.address in lo and a.address not in lo
         sleeper = a.popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        listed = ["ip", "netns", "pids", a.namespace]
+        for _ in range(200):  # `ip netns exec` enters the namespace after popen returns
+            if subprocess.run(listed, capture_output=True, text=True).stdout.split():
+                break
+            time.sleep(0.05)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert a.namespace not in names and b.namespace not in names
     assert sleeper.wait(timeout=10) != 0  # what ran inside was stopped with the hosts
