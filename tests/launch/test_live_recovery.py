@@ -54,9 +54,11 @@ def _processes(out: Path) -> list[str]:
 
 SCENARIOS = {
     # (a kill inside backward, buckets in flight, opens test_live_faults.py's run)
-    # rank 1 dies before its update of step 1; later rank 0 (the writer) dies in forward
-    # and the state comes from rank 1's replacement: two generations in one run
-    "1:1:optimizer,0:3:forward": ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
+    # rank 1 dies before its update of step 1; later rank 0 (the writer) dies after its
+    # buckets were reduced, while rank 1 is in the step's last collective (the non-finite
+    # check's agreement), and the state comes from rank 1's replacement: two generations
+    # (the kill in forward is test_live_spares.py's and test_live_nodes.py's)
+    "1:1:optimizer,0:3:end_step": ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
 }
 
 

@@ -6,7 +6,8 @@ Every step's global batch depends only on the step number, each rank keeps its o
 dropout stream (seeded by its rank), and tiny buckets make a step several
 all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
 itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
-the other buckets were launched), "forward" or "optimizer" (before its update).
+the other buckets were launched), "forward", "end_step" (its buckets reduced, before
+the non-finite check's agreement) or "optimizer" (before its update).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it).
@@ -59,7 +60,13 @@ def planned_kill(rank: int, first_process: bool) -> tuple[int, str]:
     return -1, ""
 
 
-def arm_kill(model: nn.Sequential, optimizer: torch.optim.Optimizer, where: str, when: list[bool]):
+def arm_kill(
+    model: nn.Sequential,
+    optimizer: torch.optim.Optimizer,
+    where: str,
+    when: list[bool],
+    ddp: nn.Module | None = None,
+) -> None:
     def die(*_: object) -> None:
         if when[0]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -68,6 +75,8 @@ def arm_kill(model: nn.Sequential, optimizer: torch.optim.Optimizer, where: str,
         model[0].weight.register_hook(lambda grad: die())
     elif where == "forward":
         model[2].register_forward_pre_hook(lambda *_: die())
+    elif where == "end_step" and ddp is not None:  # first of the engine's end-of-step actions
+        ddp.reducer.driver.end_of_step.insert(0, die)
     elif where == "optimizer":  # after the step's collectives, before its update
         optimizer.register_step_pre_hook(lambda *_: die())
 
@@ -99,7 +108,7 @@ def main() -> None:
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
     kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
     armed = [False]
-    arm_kill(model, optimizer, where, armed)
+    arm_kill(model, optimizer, where, armed, ddp)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         x, y = batch(step, ctx.rank, ctx.world_size)

@@ -12,8 +12,9 @@ hooks and fills its buckets; everything else about a step is here, once:
 
 The engine's side is a `GradientSink` (fill what no hook filled, take a finished
 bucket's result, write `.grad`). After write-back the driver runs its
-`end_of_step` actions (part of the step: mixed precision's fp32 restore; a
-finite check later), then its `observers` (read-only: the tracer, the Monitor).
+`end_of_step` actions (part of the step: mixed precision's fp32 restore, the
+non-finite check's agreement, a collective that live recovery finishes again like
+the buckets), then its `observers` (read-only: the tracer, the Monitor).
 CUDA streams and live recovery belong here too, so both engines get them.
 """
 
@@ -25,7 +26,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from lockstep.errors import UnusedParametersError
+from lockstep.errors import LockstepError, UnusedParametersError
 from lockstep.runtime import live, waits
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
@@ -192,12 +193,29 @@ class BackwardDriver:
         self.last_stats = step_stats(
             self.steps, self.world_size, self.buckets, marks, self.collective.sent_bytes(), levels
         )
-        for action in self.end_of_step:
-            action()
+        self._end_step(step)
         for observe in self.observers:
             observe(self.last_stats)
         if self.live is not None:
             live.after_step()
+
+    def _end_step(self, step: StepState) -> None:
+        """The `end_of_step` actions. One agrees across ranks (the non-finite check): a rank
+        lost there is recovered like one lost in the waits, since the step is not over yet:
+        the count goes back, the step's collectives run again with the replacement (which
+        resumes at this step), and the actions run again."""
+        try:
+            for action in self.end_of_step:
+                action()
+        except RuntimeError as error:
+            if self.live is None or isinstance(error, LockstepError):
+                raise
+            self.steps -= 1  # what the donor hands over: this step is not finished
+            self.live.recover(self, step, error)
+            self.sink.write_back(step)
+            self.steps += 1
+            for action in self.end_of_step:
+                action()
 
     def _wait_step(self, step: StepState) -> None:
         """Wait for the step's buckets and check its fingerprint."""

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from lockstep.errors import NonFiniteGradientError
+from lockstep.runtime import waits
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
-from lockstep.runtime.handles import CollectiveHandle
+from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 
 # A bucket's parameters: (name, this rank's gradient of it inside the bucket's buffer).
 Locate = Callable[[Bucket], Iterator[tuple[str, torch.Tensor]]]
@@ -98,7 +99,7 @@ class FiniteGuard:
         self.steps = 0
         self.skipped = 0
         self.last_step_skipped = False
-        self._found: list[Finding] = []
+        self._found: dict[str, Finding] = {}  # by name: a bucket launched again adds nothing
         self._device = torch.device("cpu")
         self.scaler_owns = False  # the step's forward ran under fp16 autocast
 
@@ -128,21 +129,28 @@ class FiniteGuard:
             return
         for name, grad in self.locate(bucket):  # slow path: which parameter, NaN or inf
             if not bool(torch.isfinite(grad).all()):
-                self._found.append(Finding(self.rank, name, _kind(grad)))
+                self._found[name] = Finding(self.rank, name, _kind(grad))
 
     def end_step(self) -> None:
         """After the step's collectives, on every rank: agree, then raise or skip if any found.
 
+        The agreement is one of the step's collectives: its wait is the engine's (stall
+        report, live recovery's interruption), and a rank lost in it leaves this guard
+        as it was before the step's end, so the step can be finished again.
+
         Raises:
             NonFiniteGradientError: in "raise" mode, on every rank, when any rank found one.
+            RuntimeError: the agreement failed (a rank was lost).
         """
         if self.mode == NonFinite.OFF:
             return
-        self.steps += 1
-        found, self._found = self._found, []
+        step = self.steps + 1
+        found = list(self._found.values())
         count = torch.tensor([len(found)], dtype=torch.int64, device=self._device)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(count, group=self.group)
+            work = dist.all_reduce(count, group=self.group, async_op=True)
+            waits.wait(WorkHandle(work), "non-finite check", step, -1, self.group)
+        self.steps, self._found = step, {}
         self.last_step_skipped = bool(count.item())
         if not self.last_step_skipped:
             return

@@ -231,7 +231,7 @@ def _announced() -> None:
     On several nodes, a rank whose neighbours in the collective survived sees no error."""
     generation, replaced = regroup.read_announcement(store())
     if generation > _live.generation:
-        raise RuntimeError(
+        raise waits.Interrupted(
             f"generation {generation} was announced while this rank waited (rank(s) "
             f"{replaced} replaced)"
         )

@@ -12,7 +12,8 @@ Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds 
 wait: past it the waiting rank exits, its message (and torchrun's error file)
 naming the rank(s) that never launched the collective, so the run ends blaming them.
 Under live recovery a wait polls instead of blocking, so that the announcement of a
-new generation ends it (`interrupt_with`, `runtime/live.py`).
+new generation ends it (`interrupt_with`, `runtime/live.py`) with `Interrupted`. A
+wait given `timeout_s` (a checkpoint's barrier) polls too, and raises at its bound.
 """
 
 from __future__ import annotations
@@ -184,23 +185,38 @@ _interrupts: list[Callable[[], None]] = []  # live recovery: raises when a rank 
 INTERRUPT_CHECK_S = 0.2
 
 
+class Interrupted(RuntimeError):
+    """A wait ended because a rank of the group was lost (a new generation was announced)."""
+
+
 def interrupt_with(check: Callable[[], None]) -> None:
     """Under live recovery, a wait polls and calls `check` every INTERRUPT_CHECK_S: a rank
     whose peers in the collective are alive would otherwise wait on a dead group for ever."""
     _interrupts[:] = [check]
 
 
-def _block(handle: CollectiveHandle) -> None:
-    if not _interrupts:
+def block(handle: CollectiveHandle, timeout_s: float | None = None) -> None:
+    """Wait on `handle` without a progress note (a checkpoint's messages: the rank stays
+    "in a save" for the stall watch); polls under live recovery or with a bound.
+
+    Raises:
+        Interrupted: under live recovery, a rank of the group was lost meanwhile.
+        RuntimeError: the collective failed, or `timeout_s` passed.
+    """
+    if not _interrupts and timeout_s is None:
         handle.wait()
         return
-    pause, next_check = 5e-5, time.monotonic() + INTERRUPT_CHECK_S
+    start = time.monotonic()
+    pause, next_check = 5e-5, start + INTERRUPT_CHECK_S
     while not handle.poll():
         time.sleep(pause)
         pause = min(2 * pause, 0.002)
-        if time.monotonic() >= next_check:
+        now = time.monotonic()
+        if _interrupts and now >= next_check:
             _interrupts[0]()
-            next_check = time.monotonic() + INTERRUPT_CHECK_S
+            next_check = now + INTERRUPT_CHECK_S
+        if timeout_s is not None and now - start >= timeout_s:
+            raise RuntimeError(f"timed out after {timeout_s:g} s")
     handle.wait()
 
 
@@ -221,6 +237,7 @@ def wait(
     step: int,
     index: int,
     group: dist.ProcessGroup | None,
+    timeout_s: float | None = None,
 ) -> None:
     """Wait on `handle`; if it is not done yet, note the wait and let the inspector watch it.
 
@@ -230,6 +247,11 @@ def wait(
         step: the synchronised step it belongs to.
         index: the bucket's index (-1 for other collectives).
         group: the process group it runs over (the default group when None).
+        timeout_s: a bound of this wait's own (None: the group's timeout).
+
+    Raises:
+        Interrupted: under live recovery, a rank of the group was lost meanwhile.
+        RuntimeError: the collective failed, or `timeout_s` passed.
     """
     if handle.poll():
         handle.wait()  # gloo marks a failed work completed too: its wait() raises the error
@@ -239,7 +261,7 @@ def wait(
     with progress.during(progress.Phase.WAITING, step, index, what):
         mine = watch.current = _Wait(what, step, group, time.monotonic())
         try:
-            _block(handle)
+            block(handle, timeout_s)
         finally:
             with watch.lock:
                 watch.current = None
