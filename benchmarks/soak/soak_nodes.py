@@ -1,8 +1,8 @@
 """The two-node job of the soak: one `lockstep run` per namespace, restartable, with logs.
 
 Node 0 runs in host a, node 1 in host b; each launcher's output goes to
-OUT/node{N}.log (appended to when node 1 is started again). `read_pids` and
-`read_progress` read what benchmarks/soak/soak_train.py writes.
+OUT/node{N}.log (appended to when node 1 is started again). `read_pids`,
+`read_progress` and `read_batches` read what benchmarks/soak/soak_train.py writes.
 """
 
 from __future__ import annotations
@@ -96,9 +96,32 @@ def read_pids(out: Path) -> dict[int, int]:
 
 
 def read_progress(out: Path) -> tuple[int, int]:
-    """(pid of rank 0, last step saved) from OUT/progress, or (0, 0) before the first step."""
+    """(pid of rank 0, steps finished at its last save) from OUT/progress, or (0, 0) before."""
     try:
-        pid, step = (out / "progress").read_text().split()
+        pid, done = (out / "progress").read_text().split()
     except (OSError, ValueError):
         return 0, 0
-    return int(pid), int(step)
+    return int(pid), int(done)
+
+
+def read_batches(out: Path, world_size: int) -> dict[tuple[int, int], tuple[int, list[int]]]:
+    """(rank, step) -> (epoch, sample ids) from OUT/ids/RANK; a step's last line counts.
+
+    A step is logged before it can finish, and logged again when it is done again (a
+    whole-group restart redoes the steps after the last checkpoint, a live replacement
+    the step it interrupted), so the last line of a step is what the run kept.
+
+    Raises:
+        ValueError: a line that is not "PID STEP EPOCH ID,ID,...", with its file and line.
+    """
+    batches: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for rank in range(world_size):
+        path = out / "ids" / str(rank)
+        lines = path.read_text().splitlines() if path.exists() else []
+        for number, line in enumerate(lines, start=1):
+            try:
+                _pid, step, epoch, ids = line.split()
+                batches[rank, int(step)] = int(epoch), [int(i) for i in ids.split(",")]
+            except ValueError:
+                raise ValueError(f"{path}:{number}: unreadable line {line!r}") from None
+    return batches

@@ -4,15 +4,20 @@
 
 A dataset of N_SAMPLES ids is dealt by `lockstep.shard`; the model is wrapped in
 `lockstep.DistributedDataParallel` and trained with Adam; a checkpoint (model,
-optimizer, sampler and the consumption counts) is written after every step. Each
-step all-gathers the ids of the global batch so that every rank counts, per epoch,
-how often each id was consumed; the counts ride in the checkpoint, so they
-describe exactly the trajectory that survived the kills. Rank 0 writes the final
-parameters, optimizer state and counts to OUT/final.pt.
+optimizer, sampler) is written after every step, numbered as `Checkpointer.save`
+documents: `save(step)` with the index of the step just finished, and the script
+resumes at `restore() + 1`. Rank 0 writes the final parameters and optimizer state
+to OUT/final.pt. The script runs no collective of its own (live recovery routes
+only lockstep's): the sample ids are checked by the driver from the ranks' logs.
 
 For the soak driver (benchmarks/soak/soak_two_nodes.py) each worker writes its pid
-to OUT/pids/RANK, rank 0 writes "PID STEP" to OUT/progress after each save, and
-every rank appends "PID STEP TIME" to OUT/steps/RANK after each step.
+to OUT/pids/RANK; rank 0 writes "PID DONE" to OUT/progress after each save (DONE:
+steps finished, the saved index + 1). Every rank appends, flushed, one line per
+step to OUT/ids/RANK when it has drawn the batch, before the forward, "PID STEP
+EPOCH ID,ID,..." (the step's index, the sampler's epoch, the batch's sample ids),
+and "PID STEP TIME" to OUT/steps/RANK when the step is done. A step is logged
+before it can count as finished, so a kill never leaves a finished step unlogged;
+a step done again logs again, and its last line is the one that counts.
 When OUT/pause_in_save exists, rank 0 removes it at its next checkpoint write,
 with the temporary file written but not committed, writes its pid to OUT/in_save
 and sleeps, so that the driver can SIGKILL it in the middle of that write. When
@@ -29,7 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import lockstep
@@ -80,11 +84,16 @@ def pause_in_backward(model: nn.Module, out: Path, rank: int) -> None:
     model[0].weight.register_hook(on_grad)
 
 
-def count_ids(counts: torch.Tensor, epoch: int, ids: torch.Tensor, world_size: int) -> None:
-    """Add the global batch's ids (gathered from every rank) to this epoch's counts."""
-    gathered = [torch.empty_like(ids) for _ in range(world_size)]
-    dist.all_gather(gathered, ids)
-    counts[epoch].index_add_(0, torch.cat(gathered), torch.ones(ids.numel() * world_size).int())
+def append_line(path: Path, line: str) -> None:
+    """Append one line and flush it (one write, so a kill never leaves half of it)."""
+    with open(path, "a") as log:
+        log.write(line + "\n")
+
+
+def log_batch(out: Path, rank: int, step: int, epoch: int, ids: torch.Tensor) -> None:
+    """Record which samples this rank's `step` consumes, in which epoch (OUT/ids/RANK)."""
+    joined = ",".join(str(i) for i in ids.tolist())
+    append_line(out / "ids" / str(rank), f"{os.getpid()} {step} {epoch} {joined}")
 
 
 def main() -> None:
@@ -100,38 +109,32 @@ def main() -> None:
     ddp = lockstep.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = lockstep.shard(Numbered(), BATCH, seed=5)
-    epochs = args.steps * BATCH * ctx.world_size // N_SAMPLES + 2
     checkpointer = lockstep.Checkpointer(out / "ckpt", keep=2, timeout_s=60)
     if ctx.rank == 0:
         checkpointer.files.on_point = pause_in_save(out)
-    step = checkpointer.restore(model=ddp, optimizer=optimizer, sampler=loader)
-    step = 0 if step is None else step
-    counts = torch.zeros(epochs, N_SAMPLES, dtype=torch.int32)
-    if checkpointer.extra is not None:
-        counts = checkpointer.extra["counts"]
-    for folder in ("pids", "steps"):
+    last = checkpointer.restore(model=ddp, optimizer=optimizer, sampler=loader)
+    step = 0 if last is None else last + 1  # the index of the next step
+    for folder in ("pids", "ids", "steps"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     write_atomically(out / "pids" / str(ctx.rank), str(os.getpid()))
     pause_in_backward(model, out, ctx.rank)
     while step < args.steps:
         for x, y, ids in loader:
+            log_batch(out, ctx.rank, step, loader.sampler.epoch, ids)
             optimizer.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
             optimizer.step()
-            count_ids(counts, loader.sampler.epoch, ids, ctx.world_size)
-            step += 1
-            parts = {"model": ddp, "optimizer": optimizer, "sampler": loader}
-            checkpointer.save(step, **parts, extra={"counts": counts})
+            checkpointer.save(step, model=ddp, optimizer=optimizer, sampler=loader)
             if ctx.rank == 0:
-                write_atomically(out / "progress", f"{os.getpid()} {step}")
-            with open(out / "steps" / str(ctx.rank), "a") as log:
-                log.write(f"{os.getpid()} {step} {time.time()}\n")
+                write_atomically(out / "progress", f"{os.getpid()} {step + 1}")
+            append_line(out / "steps" / str(ctx.rank), f"{os.getpid()} {step} {time.time()}")
+            step += 1
             time.sleep(args.step_sleep)
             if step == args.steps:
                 break
     if ctx.is_main:
         final = {"params": model.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save({**final, "counts": counts, "epoch": loader.sampler.epoch}, out / "final.pt")
+        torch.save({**final, "epoch": loader.sampler.epoch}, out / "final.pt")
     lockstep.shutdown()
 
 

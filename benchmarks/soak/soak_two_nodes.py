@@ -13,9 +13,10 @@ peers wait in the all-reduce, one of rank 0, the rest random ranks) and loses no
 once (every process of its namespace SIGKILLed, its launcher started again):
 benchmarks/soak/soak_kills.py. At the end the parameters and the optimizer state
 must be bitwise equal to the reference, and every sample id must have been
-consumed exactly once per epoch. Prints one line per kill (live or restart; time
-to recover: from the kill to the first step the victims' new processes completed)
-and writes OUT/soak.json.
+consumed exactly once per epoch, counted from the ranks' logs of the batches they
+drew (OUT/ids/RANK, a step's last line counting: `read_batches`), in both runs.
+Prints one line per kill (live or restart; time to recover: from the kill to the
+first step the victims' new processes completed) and writes OUT/soak.json.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from soak_kills import deliver, kill_plan, wait_recovery, wait_until
-from soak_nodes import Job, read_pids, read_progress
+from soak_nodes import Job, read_batches, read_pids, read_progress
 
 from lockstep.testing.netns import two_hosts
 
@@ -87,8 +89,8 @@ def soak(job: Job, steps: int, kills: int, rng: random.Random) -> list[dict]:
     return records
 
 
-def compare(reference: dict, soaked: dict, steps: int) -> list[str]:
-    """Every difference between the two runs' final states, and any miscounted sample."""
+def compare(reference: dict, soaked: dict) -> list[str]:
+    """Every difference between the two runs' final parameters and optimizer states."""
     problems = []
     for name, value in reference["params"].items():
         if not torch.equal(value, soaked["params"][name]):
@@ -100,12 +102,33 @@ def compare(reference: dict, soaked: dict, steps: int) -> list[str]:
                 torch.as_tensor(value), torch.as_tensor(soak_opt["state"][index][key])
             ):
                 problems.append(f"optimizer state {index}.{key} differs")
-    epochs = steps * SAMPLES_PER_STEP // N_SAMPLES
-    counts = soaked["counts"]
-    if not (counts[:epochs] == 1).all() or counts[epochs:].any():
-        bad = (counts[:epochs] != 1).nonzero().tolist()[:10]
-        problems.append(f"sample ids not consumed exactly once per epoch: (epoch, id) {bad}")
     return problems
+
+
+def check_ids(batches: dict[tuple[int, int], tuple[int, list[int]]], steps: int) -> list[str]:
+    """Every step of every rank logged, every sample id once in each epoch, none after."""
+    problems = []
+    every_step = {(rank, step) for rank in range(WORLD_SIZE) for step in range(steps)}
+    if odd := sorted(every_step ^ batches.keys()):
+        problems.append(f"steps missing from the logs or beyond the run: (rank, step) {odd[:10]}")
+    counts = Counter((epoch, i) for epoch, ids in batches.values() for i in ids)
+    epochs = steps * SAMPLES_PER_STEP // N_SAMPLES
+    expected = {(epoch, i) for epoch in range(epochs) for i in range(N_SAMPLES)}
+    seen = expected | counts.keys()  # an epoch after the run's last must stay empty
+    if bad := sorted((key, counts[key]) for key in seen if counts[key] != (key in expected)):
+        problems.append(
+            f"sample ids not consumed exactly once per epoch: ((epoch, id), count) {bad[:10]}"
+        )
+    return problems
+
+
+def check_run(out: Path, steps: int) -> list[str]:
+    """`check_ids` on a run's logs, each problem prefixed with the run's name."""
+    try:
+        problems = check_ids(read_batches(out, WORLD_SIZE), steps)
+    except ValueError as error:
+        problems = [str(error)]
+    return [f"{out.name}: {problem}" for problem in problems]
 
 
 def summarize(records: list[dict], codes: list, problems: list[str], kills: int) -> dict:
@@ -146,7 +169,10 @@ def main() -> int:
     if codes != [0, 0]:
         print(f"the soaked job failed: {codes}\n{job.tail()}", file=sys.stderr)
     load = lambda run: torch.load(out / run / "final.pt", weights_only=True)  # noqa: E731
-    problems = compare(load("reference"), load("soaked"), args.steps) if codes == [0, 0] else []
+    problems = check_run(out / "reference", args.steps)
+    if codes == [0, 0]:
+        problems += compare(load("reference"), load("soaked"))
+        problems += check_run(out / "soaked", args.steps)
     summary = summarize(records, codes, problems, args.kills)
     summary |= {"flags": job.flags, "soak_s": round(soak_s, 1)}
     summary |= {"total_s": round(time.monotonic() - started, 1), "load_average": os.getloadavg()}
