@@ -10,6 +10,7 @@ with its one-line reason.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,19 @@ def _processes(out: Path) -> list[str]:
 
 SCENARIOS = {
     # (a kill inside backward, buckets in flight, opens test_live_faults.py's run)
-    # rank 1 dies before its update of step 1; later rank 0 (the writer) dies after its
-    # buckets were reduced, while rank 1 is in the step's last collective (the non-finite
-    # check's agreement), and the state comes from rank 1's replacement: two generations
+    # rank 1 dies before its update of step 1: rank 0 meets the loss in the Monitor's loss
+    # average (a collective between steps, `--monitor`); later rank 0 (the writer) dies
+    # after its buckets were reduced, while rank 1 is in the step's last collective (the
+    # non-finite check's agreement), and the state comes from rank 1's replacement
     # (the kill in forward is test_live_spares.py's and test_live_nodes.py's)
-    "1:1:optimizer,0:3:end_step": ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
+    "1:1:optimizer,0:3:end_step": (
+        ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
+        [
+            "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the "
+            "Monitor's loss average, between steps",
+            "[rank 1]: live recovery: generation 2, rank(s) [0] replaced; step 4 finished again",
+        ],
+    ),
 }
 
 
@@ -68,14 +77,14 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
     """Each scenario against one uninterrupted run (the oracle, computed once here)."""
     oracle = tmp_path / "uninterrupted"
     _run(oracle, [])
-    for kill, processes in SCENARIOS.items():
+    for kill, (processes, lines) in SCENARIOS.items():
         out = tmp_path / kill.replace(":", "_").replace(",", "+")
-        log = _run(out, ["--live-recovery"], kill=kill).log()
-        victims = [item.split(":")[0] for item in kill.split(",")]
-        for generation, victim in enumerate(victims, start=1):
+        log = _run(out, ["--live-recovery"], kill=kill, script=("--monitor",)).log()
+        for victim in [item.split(":")[0] for item in kill.split(",")]:
             assert f"live recovery: rank {victim} (pid" in log, (kill, log)
-            survivor = 1 - int(victim)
-            assert f"[rank {survivor}]: live recovery: generation {generation}" in log, log
+        for line in lines:
+            assert line in log, (kill, line, log)
+        assert re.search(r"step +6 +loss", log), log  # the Monitor's last interval, logged
         assert "restart 1" not in log, (kill, log)
         # survivors ran in one process; each replacement is its generation's, restart 0
         assert _processes(out) == processes, (kill, log)

@@ -10,7 +10,9 @@ the other buckets were launched), "forward", "end_step" (its buckets reduced, be
 the non-finite check's agreement) or "optimizer" (before its update).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
-lockstep.ShardedDataParallel instead (live recovery refuses it).
+lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
+`lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
+between steps).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--engine", choices=["ddp", "sharded"], default="ddp")
+    parser.add_argument("--monitor", action="store_true")
     return parser.parse_args()
 
 
@@ -109,16 +112,25 @@ def main() -> None:
     kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
     armed = [False]
     arm_kill(model, optimizer, where, armed, ddp)
+    monitor = None
+    if args.monitor:
+        every = {"log_every": 2, "straggler_every": 2}
+        monitor = lockstep.Monitor(ddp, ctx, **every, start_step=start, progress=False)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         x, y = batch(step, ctx.rank, ctx.world_size)
         optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
         optimizer.step()
+        if monitor is not None:
+            monitor.step(loss, batch_size=BATCH)
         if (step + 1) % args.save_every == 0:
             checkpoints.save(step, model=ddp, optimizer=optimizer)
         print(f"rank {ctx.rank} finished step {step}", flush=True)
         time.sleep(args.step_sleep)
+    if monitor is not None:
+        monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, out / f"final_rank{ctx.rank}.pt")
     lockstep.shutdown()

@@ -19,7 +19,6 @@ averaged over ranks in one small all-reduce); the straggler report every
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import replace
@@ -32,9 +31,11 @@ import torch.distributed as dist
 from lockstep.context import DistContext
 from lockstep.env import read_trace_dir
 from lockstep.observe.logger import ConsoleLog, JsonlSink, TensorBoardSink, tensorboard_available
+from lockstep.observe.loss_mean import mean_over_ranks
 from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summarize
 from lockstep.observe.straggler import StragglerReport, StragglerWatch
 from lockstep.observe.trace import TraceRecorder, merge_traces
+from lockstep.runtime import live
 
 METRICS_FILE = "metrics.jsonl"
 PathLike = str | os.PathLike[str]
@@ -94,7 +95,6 @@ class Monitor:
         # The ranks described are those of the model's group: its context, not the
         # job's, so a model on a subgroup is averaged over that subgroup.
         self.ddp, self.ctx = ddp, ddp.ctx
-        self.group = ddp.process_group
         self.log_every, self.straggler_every = log_every, straggler_every or 0
         self.step_count = start_step
         self.reports: list[StragglerReport] = []
@@ -108,7 +108,8 @@ class Monitor:
         self._build_sinks(log_dir, tensorboard, total_steps, start_step, progress, stream)
         self._env_tracer: Any = None
         self.trace = self._build_trace(trace, trace_steps)
-        self.watch = StragglerWatch(self.group, self.ctx.device, self.ctx.world_size)
+        every = self.straggler_every
+        self.watch = StragglerWatch(self.group, self.ctx.device, self.ctx.world_size, every)
 
     # ---------------------------------------------------------------- build
     def _build_optimizer_hooks(self, optimizer: torch.optim.Optimizer | None) -> list[Any]:
@@ -199,17 +200,25 @@ class Monitor:
         self._pending.append((metrics, loss.detach() if torch.is_tensor(loss) else loss))
         if self.console is not None:
             self.console.step()
+        generation = live.generation()
         if metrics.step % self.log_every == 0:
             self.flush()
         if self.straggler_every and metrics.step % self.straggler_every == 0:
-            self._report_stragglers()
+            if live.generation() == generation:
+                self._report_stragglers()
+            else:  # recovered in the flush: the replacement starts at the next step
+                self.watch.exchange_skipped()
 
     # -------------------------------------------------------------- interval
     def flush(self) -> IntervalSummary | None:
         """Average the pending losses over ranks and write the pending steps; collective."""
         if not self._pending:
             return None
-        losses = self._mean_losses([loss for _, loss in self._pending])
+        numbers = [metrics.step for metrics, _ in self._pending]
+        losses = [loss for _, loss in self._pending]
+        if any(loss is not None for loss in losses):
+            size, device = self.ctx.world_size, self.ctx.device
+            losses = mean_over_ranks(numbers, losses, self.log_every, self.group, size, device)
         steps = [replace(m, loss=v) for (m, _), v in zip(self._pending, losses, strict=True)]
         self._pending = []
         summary = summarize(steps)
@@ -223,23 +232,13 @@ class Monitor:
                 sink.flush()
         return summary
 
-    def _mean_losses(self, losses: list[Any]) -> list[float | None]:
-        """One all-reduce for the whole interval; None where no loss was given."""
-        if all(loss is None for loss in losses):
-            return [None] * len(losses)
-        tensors = [x.detach().reshape(()) for x in losses if torch.is_tensor(x)]
-        if len(tensors) == len(losses):  # the usual case: one op, no host sync yet
-            values = torch.stack(tensors).to(torch.float64)
-        else:
-            device = tensors[0].device if tensors else self.ctx.device
-            plain = [math.nan if x is None else float(x) for x in losses]
-            values = torch.tensor(plain, dtype=torch.float64, device=device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(values, group=self.group)
-            values /= self.ctx.world_size
-        return [None if math.isnan(v) else v for v in values.tolist()]
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The model's group now (a live recovery replaces it: docs/multinode.md)."""
+        return self.ddp.process_group
 
     def _report_stragglers(self) -> None:
+        self.watch.group = self.group
         report = self.watch.exchange()
         if report is None:
             return

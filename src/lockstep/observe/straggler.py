@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.runtime.live_between import between_steps
 from lockstep.runtime.step_stats import StepStats
 
 
@@ -118,12 +119,21 @@ class StragglerWatch:
         process_group: the data-parallel group (None: the default group).
         device: where the exchanged tensor lives (the rank's device, for NCCL).
         world_size: ranks in the group.
+        rows: the most steps a window holds on any rank (the report's period). Every
+            rank sends that many rows, marked present or not, so that a rank with fewer
+            steps (a live replacement that joined inside the window) sends the same
+            message; the steps every rank has are compared. 0: as many as this rank has.
     """
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None, device: torch.device, world_size: int
+        self,
+        process_group: dist.ProcessGroup | None,
+        device: torch.device,
+        world_size: int,
+        rows: int = 0,
     ) -> None:
         self.group, self.device, self.world_size = process_group, device, world_size
+        self.rows = rows
         self._rows: list[list[float]] = []
         self._steps: list[int] = []
         self._layout: tuple[int, ...] = ()
@@ -137,18 +147,34 @@ class StragglerWatch:
         self._rows.append([b.ready for b in stats.buckets] + [end])
         self._steps.append(step)
 
+    def exchange_skipped(self) -> None:
+        """No exchange for this window (the peers are not there): start a new one."""
+        self._rows, self._steps = [], []
+
     def exchange(self) -> StragglerReport | None:
         """All-gather the window, compare, start a new window; call on every rank at once.
 
         Returns:
             The report, the same on every rank; None with one rank or an empty window.
         """
-        rows, steps = self._rows, self._steps
+        rows, steps = self._rows[-self.rows :] if self.rows else self._rows, self._steps
         self._rows, self._steps = [], []
         if self.world_size < 2 or not rows or not self._layout:
             return None
-        mine = torch.tensor(rows, dtype=torch.float64, device=self.device)
+        width = len(rows[0])
+        mine = torch.zeros(max(self.rows, len(rows)), width + 1, dtype=torch.float64)
+        mine[-len(rows) :, :width] = torch.tensor(rows, dtype=torch.float64)
+        mine[-len(rows) :, width] = 1.0  # present
+        mine = mine.to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        window = torch.stack(gathered).cpu()  # [ranks, steps, buckets + 1]
+        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        if not between_steps(work, "the straggler report's exchange"):
+            return None  # a rank was lost in it and recovered live: no report this window
+        stacked = torch.stack(gathered).cpu()  # [ranks, rows, buckets + 2]
+        common = stacked[..., width].min(dim=0).values > 0  # a suffix: the steps all ranks have
+        kept = int(common.sum())
+        if kept == 0:
+            return None
+        window = stacked[:, -kept:, :width]  # [ranks, steps, buckets + 1]
+        steps = steps[-kept:]
         return analyze(window[..., :-1], window[..., -1], steps[0], steps[-1])

@@ -6,6 +6,7 @@ Under `lockstep run --live-recovery` (docs/multinode.md, "Live recovery"):
 |---|---|---|
 | `BackwardDriver` | a bucket launches | `LiveSteps.keep`: copy its local gradients |
 | `BackwardDriver` | a wait failed | `LiveSteps.recover`: new group, serve, run again |
+| `Monitor` (between steps) | its collective failed | `live_between.py`: new group, serve |
 | an engine, a Checkpointer | built / restored | register, `declare` in the store |
 
 The registry is per process on purpose: the recovery runs inside autograd's callback,

@@ -1,0 +1,47 @@
+"""Live recovery for a collective between two steps (the Monitor's interval, its report).
+
+Such a collective runs after the optimizer's step, outside the backward driver: a
+rank lost in it is recovered as after a step's end, and the caller goes on without
+the collective's result (docs/multinode.md, "Live recovery").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch.distributed as dist
+
+from lockstep.errors import LockstepError
+from lockstep.runtime import live, waits
+from lockstep.runtime.handles import WorkHandle
+
+
+def between_steps(work: dist.Work, what: str) -> bool:
+    """Wait for `work`, a collective between two steps; False if a rank was lost in it.
+
+    Under live recovery the lost rank is recovered here, as after a step's end: the
+    donor's state is the finished step's, the replacement resumes at the next one and
+    never runs this collective, so the caller goes on without its result (the
+    Monitor logs this rank's own figures for that interval).
+
+    Raises:
+        RuntimeError: the collective failed and this rank cannot be recovered live.
+    """
+    try:
+        waits.block(WorkHandle(work))
+        return True
+    except RuntimeError as error:
+        if not live.enabled() or isinstance(error, LockstepError):
+            raise
+        start = time.monotonic()
+        replaced = live.rejoin(error)
+        live.hand_over(replaced)
+    print(
+        f"lockstep [rank {dist.get_rank()}]: live recovery: generation {live.generation()}, "
+        f"rank(s) {replaced} replaced during {what}, between steps; "
+        f"{time.monotonic() - start:.2f} s standing still",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
