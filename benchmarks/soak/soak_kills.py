@@ -52,18 +52,22 @@ def _held(job: Job, flag: str, held: str, content: str) -> int:
     return int((out / held).read_text())
 
 
-def rejoin(job: Job, after_s: float = 3.0, tries: int = 3) -> None:
+def rejoin(job: Job, lost: dict[int, int], after_s: float = 3.0, tries: int = 3) -> None:
     """Start node 1 again `after_s` after its loss; again if it stops at once.
 
     A launcher that comes back before the survivors noticed the loss finds its dead
     predecessor registered in the current rendezvous round and stops ("two nodes were
-    started with --node-rank 1").
+    started with --node-rank 1"). It came back once node 1's ranks run new processes
+    (`lost`: their pids before the loss), or when it still runs 20 s after its start.
     """
     for _ in range(tries):
         time.sleep(after_s)
         job.start_node(1)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and job.procs[1].poll() is None:
+            pids = read_pids(job.out)
+            if all(pids.get(rank, lost.get(rank)) != lost.get(rank) for rank in (2, 3)):
+                return
             time.sleep(0.1)
         if job.procs[1].poll() in (None, 0):
             return
@@ -72,8 +76,9 @@ def rejoin(job: Job, after_s: float = 3.0, tries: int = 3) -> None:
 def deliver(kind: str, job: Job, rng: random.Random) -> tuple[str, list[int], float]:
     """Deliver one kill: (what was killed, the victim ranks, the kill's time)."""
     if kind == "lost node":
+        lost = read_pids(job.out)
         killed_at = job.kill_node(1)
-        rejoin(job)
+        rejoin(job, lost)
         return "node 1, every process (then started again)", [2, 3], killed_at
     if kind == "save":
         pid, rank, what = _held(job, "pause_in_save", "in_save", ""), 0, "rank 0 in a write"
