@@ -125,8 +125,6 @@ class BackwardDriver:
         self.graph_open = False
         for bucket in self.buckets:
             bucket.reset()
-        if self.live is not None:
-            self.live.kept.clear()
         return self.step
 
     def forward_without_sync(self, accumulating: bool) -> None:
@@ -163,7 +161,7 @@ class BackwardDriver:
                 return
             bucket.times.launched = time.perf_counter()
             if self.live is not None:
-                self.live.keep(bucket.buffer)
+                self.live.keep(step.next_bucket, bucket.buffer)
             bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
             step.in_flight.append(bucket)
             step.next_bucket += 1

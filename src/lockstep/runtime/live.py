@@ -242,12 +242,20 @@ class LiveSteps:
     """One driver's part: copies of the step's local gradients, and the recovery."""
 
     def __init__(self) -> None:
-        self.kept: list[torch.Tensor] = []
+        self.kept: dict[int, torch.Tensor] = {}  # by launch position, reused step to step
         waits.interrupt_with(_announced)
 
-    def keep(self, buffer: torch.Tensor) -> None:
-        """A bucket is about to be launched: copy its local (not yet reduced) gradients."""
-        self.kept.append(buffer.clone())
+    def keep(self, position: int, buffer: torch.Tensor) -> None:
+        """A bucket is about to be launched: copy its local (not yet reduced) gradients.
+
+        The copy goes into the buffer of the last step's bucket at that position (no
+        allocation per step: a fresh gradient-sized tensor each step costs page faults).
+        """
+        kept = self.kept.get(position)
+        if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
+            self.kept[position] = buffer.clone()
+        else:
+            kept.copy_(buffer)
 
     def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
@@ -270,8 +278,8 @@ class LiveSteps:
         driver.fingerprint.launch(step.fingerprint)
         last = len(driver.buckets) - 1
         launched = driver.buckets[: step.next_bucket]
-        for index, (bucket, local) in enumerate(zip(launched, self.kept, strict=True)):
-            bucket.buffer.copy_(local)
+        for index, bucket in enumerate(launched):
+            bucket.buffer.copy_(self.kept[index])
             bucket.handle = driver.collective.launch(bucket, index == last)
         for bucket in launched:
             assert bucket.handle is not None
