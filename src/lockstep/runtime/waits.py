@@ -12,8 +12,9 @@ Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds 
 wait: past it the waiting rank exits, its message (and torchrun's error file)
 naming the rank(s) that never launched the collective, so the run ends blaming them.
 Under live recovery a wait polls instead of blocking, so that the announcement of a
-new generation ends it (`interrupt_with`, `runtime/live.py`) with `Interrupted`. A
-wait given `timeout_s` (a checkpoint's barrier) polls too, and raises at its bound.
+new generation ends it (`interrupt_with`, `runtime/live.py`) with `Interrupted`.
+`block` is the same wait without the progress note (a checkpoint's messages), with
+an optional bound of its own (a checkpoint's barrier).
 """
 
 from __future__ import annotations
@@ -237,7 +238,6 @@ def wait(
     step: int,
     index: int,
     group: dist.ProcessGroup | None,
-    timeout_s: float | None = None,
 ) -> None:
     """Wait on `handle`; if it is not done yet, note the wait and let the inspector watch it.
 
@@ -247,11 +247,10 @@ def wait(
         step: the synchronised step it belongs to.
         index: the bucket's index (-1 for other collectives).
         group: the process group it runs over (the default group when None).
-        timeout_s: a bound of this wait's own (None: the group's timeout).
 
     Raises:
         Interrupted: under live recovery, a rank of the group was lost meanwhile.
-        RuntimeError: the collective failed, or `timeout_s` passed.
+        RuntimeError: the collective failed.
     """
     if handle.poll():
         handle.wait()  # gloo marks a failed work completed too: its wait() raises the error
@@ -261,7 +260,7 @@ def wait(
     with progress.during(progress.Phase.WAITING, step, index, what):
         mine = watch.current = _Wait(what, step, group, time.monotonic())
         try:
-            block(handle, timeout_s)
+            block(handle)
         finally:
             with watch.lock:
                 watch.current = None
