@@ -89,6 +89,19 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
         # survivors ran in one process; each replacement is its generation's, restart 0
         assert _processes(out) == processes, (kill, log)
         _assert_bitwise(out, oracle)
+    # a loss met in a collective of the script's own: the fallback names it, and the
+    # whole-group restart ends the run bitwise equal all the same
+    out = tmp_path / "own_collective"
+    flags = ["--live-recovery", "--max-restarts", "1"]
+    log = _run(out, flags, kill="1:2:optimizer", script=("--own-collective",)).log()
+    assert re.search(
+        r"live recovery not possible: (rank\(s\) \[0\] failed during the live recovery of "
+        r"generation 1: )?rank 0 failed in a collective of the script's own \(torch\.distributed"
+        r"\.all_reduce, called at train_live\.py:\d+ \(main\)\), which live recovery does not "
+        r"run again(, after rank\(s\) \[1\] were lost)?; falling back",
+        log,
+    ), log
+    _assert_bitwise(out, oracle)
 
 
 @pytest.mark.slow

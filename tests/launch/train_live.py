@@ -12,7 +12,7 @@ Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
 `lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
-between steps).
+between steps); `--own-collective` an all-reduce of the loss after each step.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import lockstep
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--engine", choices=["ddp", "sharded"], default="ddp")
     parser.add_argument("--monitor", action="store_true")
+    parser.add_argument("--own-collective", action="store_true")
     return parser.parse_args()
 
 
@@ -125,6 +127,8 @@ def main() -> None:
         optimizer.step()
         if monitor is not None:
             monitor.step(loss, batch_size=BATCH)
+        if args.own_collective:  # the script's own bookkeeping: not a recovery point
+            dist.all_reduce(loss.detach())
         if (step + 1) % args.save_every == 0:
             checkpoints.save(step, model=ddp, optimizer=optimizer)
         print(f"rank {ctx.rank} finished step {step}", flush=True)

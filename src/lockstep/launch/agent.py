@@ -139,9 +139,11 @@ class LockstepAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # A store call may wait for the heartbeat's call, each bounded by the store's bound.
         self._watchdog.pet("watching the workers", 2 * self.rendezvous.store.op_timeout_s + 5)
-        if self._live is not None and self._pcontext is not None:
-            self._live.check(self._pcontext, worker_group)  # before torch's poll stops them all
-        result = super()._monitor_workers(worker_group)
+        live = self._live is not None and self._pcontext is not None
+        if live and self._live.check(self._pcontext, worker_group):  # before torch's poll
+            result = RunResult(state=WorkerState.HEALTHY)  # polled after the next check
+        else:
+            result = super()._monitor_workers(worker_group)
         try:
             return self._watch_group(worker_group, result)
         except StoreUnreachable as error:
@@ -168,6 +170,8 @@ class LockstepAgent(LocalElasticAgent):
             if result.state == WorkerState.HEALTHY:
                 self._exits.check(worker_group.workers)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            if self._live is not None and self._pcontext is not None:
+                self._live.explain(self._pcontext, worker_group)
             host = self.rendezvous.me.host
             failures = [
                 describe(rank, failure, self.node_rank, host)

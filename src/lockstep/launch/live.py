@@ -14,6 +14,7 @@ reason is logged in one line.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -24,6 +25,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from lockstep import regroup
 from lockstep.launch import generations
+from lockstep.launch.report import scripts_collective
 from lockstep.launch.spares import SparePool, start_worker
 
 log = logging.getLogger("lockstep.run")
@@ -44,6 +46,37 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _failed(pcontext: Any) -> dict[int, int]:
+    """Local rank -> exit code (negative: the signal) of each worker that ended badly."""
+    return {
+        local_rank: handler.proc.returncode
+        for local_rank, handler in pcontext.subprocess_handlers.items()
+        if handler.proc.poll() is not None and handler.proc.returncode != 0
+    }
+
+
+def _scripts_collective(pcontext: Any, group: WorkerGroup, failed: dict[int, int]) -> str:
+    """'rank 0 failed in a collective of the script's own (torch.distributed.all_gather,
+    called at train.py:85 (count)), ...' when a worker that exited with an error was in
+    one (its error file, `launch/report.py`), else ''."""
+    for local_rank, code in sorted(failed.items()):
+        path = getattr(pcontext, "error_files", {}).get(local_rank)
+        if code <= 0 or not path:
+            continue
+        try:
+            with open(path) as fp:
+                where = scripts_collective(json.load(fp))
+        except (OSError, ValueError):
+            continue
+        if where:
+            rank = group.workers[local_rank].global_rank
+            return (
+                f"rank {rank} failed in a collective of the script's own ({where}), which "
+                "live recovery does not run again"
+            )
+    return ""
+
+
 class LiveReplacer:
     """This node's live replacements, one generation at a time.
 
@@ -59,59 +92,80 @@ class LiveReplacer:
         self._store: dist.Store | None = None
         self._pending: tuple[int, float] | None = None  # generation in recovery, since when
         self._unreachable = False  # the worker store stopped answering (logged once)
+        self._refused = False  # this round falls back: its reason is logged (once)
 
     def reset(self) -> None:
         """A new rendezvous round (a whole-group restart): a new worker store, generation 0."""
         self.generation, self._store, self._pending = 0, None, None
-        self._unreachable = False
+        self._unreachable = self._refused = False
 
-    def check(self, pcontext: Any, worker_group: WorkerGroup) -> None:
-        """Replace failed workers live when possible; otherwise leave them to torch's poll."""
+    def check(self, pcontext: Any, worker_group: WorkerGroup) -> bool:
+        """Replace failed workers live when possible; otherwise leave them to torch's poll.
+
+        Returns:
+            True when a worker was replaced: torch's poll waits for the next check, since
+            a peer may end while the replacement starts (its reason is logged then).
+        """
         try:
-            self._check(pcontext, worker_group, worker_group.workers[0].world_size)
+            return self._check(pcontext, worker_group, worker_group.workers[0].world_size)
         except RuntimeError as error:  # the worker store (node 0's launcher) did not answer
             if not self._unreachable:
                 self._unreachable = True
                 line = str(error).splitlines()[0] if str(error) else type(error).__name__
-                log.warning("live recovery not possible: the worker store did not answer (%s); %s",
-                            line, FALLBACK)  # fmt: skip
+                self._refuse(f"the worker store did not answer ({line})")
+            return False
+
+    def explain(self, pcontext: Any, worker_group: WorkerGroup) -> None:
+        """torch's poll found a worker ended after this moment's check: log why, once."""
+        failed = _failed(pcontext)
+        if self._refused or not failed:
+            return
+        ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
+        reason = self._refusal(pcontext, failed, worker_group)
+        self._refuse(reason or f"rank(s) {ranks} ended after the live check")
+
+    def _refuse(self, reason: str) -> None:
+        self._refused = True
+        log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
 
     def follow(self, generation: int) -> None:
         """This node's workers were started in `generation` (a rejoined node): log its forming."""
         self.generation, self._pending = generation, (generation, time.monotonic())
 
-    def _check(self, pcontext: Any, worker_group: WorkerGroup, world_size: int) -> None:
+    def _check(self, pcontext: Any, worker_group: WorkerGroup, world_size: int) -> bool:
         self._check_joined(worker_group, world_size)
         if self.spares is not None:
             self.spares.refill(recovering=self._pending is not None)
-        failed = {
-            local_rank: handler.proc.returncode
-            for local_rank, handler in pcontext.subprocess_handlers.items()
-            if handler.proc.poll() is not None and handler.proc.returncode != 0
-        }
-        if not failed:
-            return
-        ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
-        reason = self._refusal(failed, ranks, worker_group, world_size)
+        failed = _failed(pcontext)
+        if not failed or self._refused:
+            return False
+        reason = self._refusal(pcontext, failed, worker_group)
         if reason is not None:
-            log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
-            return
+            self._refuse(reason)
+            return False
+        ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
         claimed = generations.claim(self._worker_store(worker_group), ranks, world_size)
         if isinstance(claimed, str):
-            log.warning("live recovery not possible: %s; %s", claimed, FALLBACK)
-            return
+            self._refuse(claimed)
+            return False
         self._replace(failed, ranks, pcontext, worker_group, claimed)
+        return True
 
-    def _refusal(
-        self, failed: dict[int, int], ranks: list[int], group: WorkerGroup, world_size: int
-    ) -> str | None:
+    def _refusal(self, pcontext: Any, failed: dict[int, int], group: WorkerGroup) -> str | None:
         """Why the failed workers cannot be replaced live, in one line, or None."""
+        world_size = group.workers[0].world_size
+        ranks = [group.workers[lr].global_rank for lr in sorted(failed)]
         declared = self._declared_refusal(group, world_size)
         if declared is not None:  # first: a survivor that cannot wait exits at once
             return declared
+        own = _scripts_collective(pcontext, group, failed)  # a survivor met the loss there
         if self._pending is not None:
             generation = self._pending[0]
-            return f"rank(s) {ranks} failed during the live recovery of generation {generation}"
+            during = f"rank(s) {ranks} failed during the live recovery of generation {generation}"
+            return f"{during}: {own}" if own else during
+        lost = [group.workers[lr].global_rank for lr, code in failed.items() if code < 0]
+        if own:
+            return f"{own}, after rank(s) {lost} were lost" if lost else own
         for local_rank, code in failed.items():
             if code > 0:
                 rank = group.workers[local_rank].global_rank

@@ -9,24 +9,50 @@ logged for each restart.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+import lockstep
 from lockstep.launch.group import NodeReport, WorkerFailure, first_failure
 
 TRACEBACK_LINES = 12
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 MESSAGE_CHARS = 200
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_C10D = "torch/distributed/distributed_c10d.py"
+_TORCH, _LOCKSTEP = (str(Path(module.__file__).parent) + os.sep for module in (torch, lockstep))
+
+
+def _stack(error_file_data: dict | None) -> str:
+    """The Python traceback `lockstep.launch.bootstrap` recorded in a worker's error file."""
+    message = (error_file_data or {}).get("message", {})
+    return message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
 
 
 def _traceback(failure: ProcessFailure) -> list[str]:
-    message = (failure.error_file_data or {}).get("message", {})
-    if not isinstance(message, dict):
-        return []
-    stack = message.get("extraInfo", {}).get("py_callstack", "")
+    stack = _stack(failure.error_file_data)
     return [line for line in stack.rstrip().splitlines() if line.strip()]
+
+
+def scripts_collective(error_file_data: dict | None) -> str:
+    """'torch.distributed.all_gather, called at train.py:85 (count_ids)' when the recorded
+    traceback ends in a collective that the script called itself (not through lockstep),
+    else ''. Live recovery does not run such a collective again (docs/multinode.md)."""
+    frames = _FRAME.findall(_stack(error_file_data))
+    inside = [i for i, (path, _, _) in enumerate(frames) if path.endswith(_C10D)]
+    if not inside:
+        return ""
+    callers = [frame for frame in frames[: inside[0]] if not frame[0].startswith(_TORCH)]
+    if not callers or callers[-1][0].startswith(_LOCKSTEP):  # lockstep's own collective
+        return ""
+    path, line, function = callers[-1]
+    where = f"{path.rsplit('/', 1)[-1]}:{line} ({function})"
+    return f"torch.distributed.{frames[inside[-1]][2]}, called at {where}"
 
 
 def _how(failure: ProcessFailure) -> str:
