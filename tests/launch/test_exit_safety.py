@@ -103,14 +103,20 @@ def test_a_worker_that_does_not_exit_after_its_script_is_named_and_ended(block):
 
 
 @pytest.mark.timeout(HANG_S + 60)
-def test_a_peer_stopped_inside_its_grace_after_its_script_succeeded_counts_as_success():
-    """The watch ends rank 0; torch's agent then stops rank 1, whose script ended too."""
+@pytest.mark.parametrize("live", [False, True], ids=["restart", "live-recovery"])
+def test_a_peer_stopped_inside_its_grace_after_its_script_succeeded_counts_as_success(live):
+    """The watch ends rank 0; torch's agent then stops rank 1, whose script ended too.
+
+    Under --live-recovery the worker the watch ended is no loss: nothing is replaced
+    (a replacement would run the finished script again)."""
     script = str(HERE / "train_exit_blocks.py")
-    cmd = [*RUN, "--exit-grace", "2", script, "--block", "thread", "--late-rank", "1"]
+    flags = ["--live-recovery"] if live else []
+    cmd = [*RUN, *flags, "--exit-grace", "2", script, "--block", "thread", "--late-rank", "1"]
     code, out, seconds = launch(cmd)
     assert code == 0, f"exit code {code} after {seconds:.0f} s:\n{out[-3000:]}"
     assert "rank 0 (local rank 0" in out and "finished its script" in out, out[-3000:]
     assert "ended after their script succeeded" in out, out[-3000:]
+    assert "live recovery" not in out, out[-3000:]
 
 
 @pytest.mark.timeout(HANG_S + 60)

@@ -81,9 +81,8 @@ class ExitWatch:
         script had ended too, still inside their grace, succeeded as much as it did.
         """
         failed = set(result.failures)
-        finished = self.ended | {
-            w.global_rank for w in workers if _ended_at(self.directory, w.local_rank) is not None
-        }  # also those stopped by torch's agent once the watch ended a peer, within their grace
+        # also those stopped by torch's agent once the watch ended a peer, within their grace
+        finished = self.ended | {w.global_rank for w in workers if self.script_ended(w)}
         if result.state != WorkerState.FAILED or not failed or not failed <= finished:
             return result
         log.warning(
@@ -94,6 +93,10 @@ class ExitWatch:
         )
         values = {w.global_rank: result.return_values.get(w.global_rank) for w in workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+    def script_ended(self, worker: Worker) -> bool:
+        """Whether `worker`'s script ended well in this round (what remains is its exit)."""
+        return _ended_at(self.directory, worker.local_rank) is not None
 
     def _end(self, worker: Worker, late: float) -> None:
         stack = dump_stack(worker.id or 0, stack_path(self.directory, worker.local_rank))

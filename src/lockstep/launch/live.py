@@ -25,6 +25,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from lockstep import regroup
 from lockstep.launch import generations
+from lockstep.launch.exitwatch import ExitWatch
 from lockstep.launch.report import scripts_collective
 from lockstep.launch.spares import SparePool, start_worker
 
@@ -44,15 +45,6 @@ def _describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _failed(pcontext: Any) -> dict[int, int]:
-    """Local rank -> exit code (negative: the signal) of each worker that ended badly."""
-    return {
-        local_rank: handler.proc.returncode
-        for local_rank, handler in pcontext.subprocess_handlers.items()
-        if handler.proc.poll() is not None and handler.proc.returncode != 0
-    }
 
 
 def _scripts_collective(pcontext: Any, group: WorkerGroup, failed: dict[int, int]) -> str:
@@ -85,8 +77,9 @@ class LiveReplacer:
         recoveries: (generation, seconds from the death seen to every rank joined).
     """
 
-    def __init__(self, spares: SparePool | None = None) -> None:
+    def __init__(self, spares: SparePool | None = None, exits: ExitWatch | None = None) -> None:
         self.spares = spares  # standby workers (--spares), taken before a new process
+        self.exits = exits  # which workers' scripts ended (`launch/exitwatch.py`)
         self.generation = 0
         self.recoveries: list[tuple[int, float]] = []
         self._store: dist.Store | None = None
@@ -107,7 +100,7 @@ class LiveReplacer:
             a peer may end while the replacement starts (its reason is logged then).
         """
         try:
-            return self._check(pcontext, worker_group, worker_group.workers[0].world_size)
+            return self._check(pcontext, worker_group, self._failed(pcontext, worker_group))
         except RuntimeError as error:  # the worker store (node 0's launcher) did not answer
             if not self._unreachable:
                 self._unreachable = True
@@ -117,12 +110,25 @@ class LiveReplacer:
 
     def explain(self, pcontext: Any, worker_group: WorkerGroup) -> None:
         """torch's poll found a worker ended after this moment's check: log why, once."""
-        failed = _failed(pcontext)
+        failed = self._failed(pcontext, worker_group)
         if self._refused or not failed:
             return
         ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
         reason = self._refusal(pcontext, failed, worker_group)
         self._refuse(reason or f"rank(s) {ranks} ended after the live check")
+
+    def _failed(self, pcontext: Any, group: WorkerGroup) -> dict[int, int]:
+        """Local rank -> exit code (negative: the signal) of each worker that ended badly
+        while its script ran (after it, its end is the exit watch's: not a loss)."""
+        exits = self.exits
+        finished = {w.local_rank for w in group.workers if exits and exits.script_ended(w)}
+        return {
+            local_rank: handler.proc.returncode
+            for local_rank, handler in pcontext.subprocess_handlers.items()
+            if handler.proc.poll() is not None
+            and handler.proc.returncode != 0
+            and local_rank not in finished
+        }
 
     def _refuse(self, reason: str) -> None:
         self._refused = True
@@ -132,11 +138,11 @@ class LiveReplacer:
         """This node's workers were started in `generation` (a rejoined node): log its forming."""
         self.generation, self._pending = generation, (generation, time.monotonic())
 
-    def _check(self, pcontext: Any, worker_group: WorkerGroup, world_size: int) -> bool:
+    def _check(self, pcontext: Any, worker_group: WorkerGroup, failed: dict[int, int]) -> bool:
+        world_size = worker_group.workers[0].world_size
         self._check_joined(worker_group, world_size)
         if self.spares is not None:
             self.spares.refill(recovering=self._pending is not None)
-        failed = _failed(pcontext)
         if not failed or self._refused:
             return False
         reason = self._refusal(pcontext, failed, worker_group)

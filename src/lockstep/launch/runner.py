@@ -137,7 +137,7 @@ def _agent(
         watchdog=watchdog,
         stalls=stalls,
         exits=exits,
-        live=LiveReplacer(SparePool(cfg.spares) if cfg.spares else None)
+        live=LiveReplacer(SparePool(cfg.spares) if cfg.spares else None, exits)
         if cfg.live_recovery
         else None,
         nodes=live_nodes.prepare(cfg, rendezvous, _silence_s(cfg)),
