@@ -102,6 +102,8 @@ class BackwardDriver:
     def use_buckets(self, buckets: Sequence[Bucket], layout_hash: int) -> None:
         """The buckets of the coming steps, in launch order, and their layout's hash."""
         self.buckets, self.layout_hash = list(buckets), layout_hash
+        if self.live is not None:  # the kept copies were the old layout's
+            self.live.kept.clear()
 
     # ----------------------------------------------------------- forward side
     def check_previous_step(self) -> None:
