@@ -128,7 +128,7 @@ def test_bucket_caps_list_cuts_the_buckets_as_torch_does(runs):
         for k, bucket in enumerate(layout[:-1]):
             cap, size = caps[min(k, len(caps) - 1)], 4 * sum(numel[n] for n in bucket)
             assert size >= cap > size - 4 * numel[bucket[-1]], f"rank {rank}: bucket {k}"
-        assert [[sum(numel[n] for n in b) for b in layout]] * 2 == ours["all_reduced"]
+        assert [sorted(sum(numel[n] for n in b) for b in layout)] * 2 == sizes
 
 
 def test_skip_unused_launches_only_buckets_holding_a_gradient(runs):
@@ -143,7 +143,8 @@ def test_skip_unused_launches_only_buckets_holding_a_gradient(runs):
         used = [sum(numel[n] for n in b) for b in layout if any(n.startswith("fc.") for n in b)]
         assert len(used) < len(layout), f"rank {rank}: nothing to skip in {layout}"
         for step in seen["all_reduced"][1:]:  # the layout after the rebuild
-            assert step == used, f"rank {rank}: all-reduced {step}, buckets {layout}"
+            # the profiler lists gloo's all-reduces as they run; under load two may swap
+            assert sorted(step) == sorted(used), f"rank {rank}: {step}, buckets {layout}"
 
 
 @pytest.fixture(scope="module")
