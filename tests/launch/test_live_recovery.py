@@ -106,6 +106,34 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
+    """BatchNorm's running statistics, broadcast from rank 0 at each forward (torch's
+    default). Rank 0 dies before its update of step 2: rank 1 meets the loss in the next
+    forward's broadcast, and rank 0's replacement broadcasts the buffers rank 0 posted
+    after its last forward (no survivor holds them). Then rank 1 dies inside backward of
+    the last step: its replacement starts from the buffers broadcast at that step's start
+    (not its donor's, which its forward moved) and does not broadcast (its peer is past
+    it). Buffers included, bitwise."""
+    script = ("--batchnorm",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, [], script=script)
+    out = tmp_path / "killed"
+    log = _run(out, ["--live-recovery"], kill="0:1:optimizer,1:5:backward", script=script).log()
+    lines = [
+        "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the buffer "
+        "broadcast before step 3, between steps",
+        "[rank 0]: live recovery: generation 2, rank(s) [1] replaced; step 6 finished again",
+    ]
+    for line in lines:
+        assert line in log, (line, log)
+    assert "restart 1" not in log, log
+    assert _processes(out) == ["0.0.0", "0.1.0", "1.0.0", "1.2.0"], log
+    assert "model/4.running_mean" in _final(out, 0)
+    _assert_bitwise(out, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_sharded_engine_falls_back_to_the_whole_group_restart(tmp_path):
     """No survivor holds a lost rank's shards: one line says so, and the group restarts."""
     flags = ["--live-recovery", "--max-restarts", "1"]

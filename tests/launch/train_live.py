@@ -12,7 +12,8 @@ Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
 `lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
-between steps); `--own-collective` an all-reduce of the loss after each step.
+between steps); `--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
+BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine", choices=["ddp", "sharded"], default="ddp")
     parser.add_argument("--monitor", action="store_true")
     parser.add_argument("--own-collective", action="store_true")
+    parser.add_argument("--batchnorm", action="store_true")
     return parser.parse_args()
 
 
@@ -98,8 +100,9 @@ def main() -> None:
     ctx = lockstep.init()
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
     torch.manual_seed(0)
+    norm = nn.BatchNorm1d(32) if args.batchnorm else nn.Identity()
     model = nn.Sequential(
-        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), norm, nn.Tanh(),
         nn.Linear(32, 1),
     )  # fmt: skip
     torch.manual_seed(100 + ctx.rank)  # each rank its own dropout stream

@@ -63,14 +63,14 @@ class LiveState:
     def finished(self) -> int:
         return live.engines()[0].steps + self.offset
 
-    def serve(self, donor: int, replaced: list[int]) -> None:
+    def serve(self, donor: int, recovery: live.Recovery) -> None:
         """Survivors: the donor broadcasts the state over the new default group."""
         blob = None
         if dist.get_rank() == donor:
-            blob = live_wire.pack(self._bundle())
+            blob = live_wire.pack(self._bundle(recovery))
         live_wire.broadcast(blob, donor)
 
-    def _bundle(self) -> dict[str, Any]:
+    def _bundle(self, recovery: live.Recovery) -> dict[str, Any]:
         finished = self.finished()
         world = dist.get_world_size()
         states = [_read_rng(r) for r in range(world)]
@@ -78,7 +78,7 @@ class LiveState:
         payload = build_payload(max(finished - 1, 0), world, components, states, None)
         payload["extra"] = self.checkpointer.extra
         payload["sampler"] = self.sampler.state  # as of the last finished step
-        engines = [engine.state() for engine in live.engines()]
+        engines = [engine.state(recovery) for engine in live.engines()]
         bundle = {"payload": payload, "finished": finished, "engines": engines}
         return {**bundle, "save": self.interrupted_save}
 

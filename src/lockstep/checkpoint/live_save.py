@@ -49,7 +49,7 @@ def save(checkpointer: Any, step: int, components: dict[str, Any], extra: Any) -
         committed = checkpointer.files.committed_step()[0] == step
         server.interrupted_save = None if committed else (step, extra)
         try:
-            live.hand_over(replaced)
+            live.hand_over(replaced, within_step=False)
         finally:
             server.interrupted_save = None
         print(

@@ -9,7 +9,7 @@ model), torch's older spelling `broadcast_buffers`, and the move of inputs to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch.utils._pytree import tree_map
 
 from lockstep.context import DistContext
 from lockstep.runtime.replicate import broadcast_tensors
+
+if TYPE_CHECKING:
+    from lockstep.engine.live import LiveDDP
 
 
 class BufferSync:
@@ -29,6 +32,7 @@ class BufferSync:
     forward_sync_buffers: bool
     require_forward_param_sync: bool
     device_ids: list[int | torch.device] | None
+    _live: LiveDDP | None
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -49,6 +53,9 @@ class BufferSync:
 
     def sync_buffers(self, src_rank: int) -> None:
         """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
+        if self._live is not None:  # a lost rank recovered inside (`engine/live_buffers.py`)
+            self._live.buffers.sync(src_rank)
+            return
         buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
         if buffers and self.ctx.world_size > 1:
             src = self.ctx.global_rank(src_rank)

@@ -115,8 +115,10 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         if args.init_sync and not live.joining():  # a live replacement: from a survivor
             self._build_replicas()
         self._build_runtime()
+        self._live: LiveDDP | None = None
         if live.enabled():
-            live.register_engine(LiveDDP(self))
+            self._live = LiveDDP(self)
+            live.register_engine(self._live)
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
@@ -190,6 +192,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             "_static",
             "_mp",
             "_hooked",
+            "_live",
         ):
             state.pop(key, None)
         state.pop("env_tracer", None)  # a tracer belongs to a process
@@ -201,6 +204,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         """An unpickled (or deep-copied) wrapper works in the current default group."""
         super().__setstate__(state)
         Joinable.__init__(self)
+        self._live = None  # live recovery knows the wrapper the script built, not a copy
         self._build_runtime()
         wrapped(self)
 
@@ -217,6 +221,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
             self.nonfinite.note_forward()  # fp16 autocast: GradScaler owns overflow
+            if self._live is not None:
+                self._live.after_forward()
             if self._static is not None:
                 output = self._static.wrap_output(output)
         else:

@@ -1,9 +1,11 @@
 """The DDP engine's part in live recovery (`runtime/live.py`): hand over, adopt, regroup.
 
 A survivor hands a replacement what the engine itself decided during the run and the
-script cannot recompute: the synchronised step count (the step fingerprint's number)
-and the bucket layout after the one rebuild. After a survivor re-forms the default
-group, every reference the engine holds to the old one is replaced (`regroup`).
+script cannot recompute: the synchronised step count (the step fingerprint's number),
+the bucket layout after the one rebuild, and with buffers broadcast at every forward,
+the buffers the replacement starts from (`engine/live_buffers.py`). After a survivor
+re-forms the default group, every reference the engine holds to the old one is
+replaced (`regroup`).
 Modes that keep more state, or run collectives the replacement cannot match at its
 first step, are refused with the reason, and the launcher restarts the group instead.
 """
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep.engine.live_buffers import LiveBuffers
+from lockstep.runtime import live
 from lockstep.runtime.transport import NATIVE
 
 
@@ -23,6 +27,7 @@ class LiveDDP:
     def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel (imports us)
         self.ddp = ddp
         self.passes = 0  # data passes as of the last finished step (`runtime/data_passes.py`)
+        self.buffers = LiveBuffers(ddp)
         driver = ddp.reducer.driver
         if driver.data_passes is not None:
             driver.end_of_step.append(self._note_passes)
@@ -51,19 +56,25 @@ class LiveDDP:
             (ddp.mixed_precision is not None, "mixed_precision"),
             (ddp._delayed is not None, "delay_all_reduce_named_params"),
             (getattr(ddp, "_hooked", False), "a communication hook"),
-            (ddp.forward_sync_buffers and any(True for _ in ddp.module.buffers()),
-             "buffers broadcast at every forward"),
         ]  # fmt: skip
         for refused, what in checks:
             if refused:
                 return f"live recovery does not yet cover DistributedDataParallel with {what}"
         return None
 
-    def state(self) -> dict[str, Any]:
+    def after_forward(self) -> None:
+        """A synchronised forward ran (rank 0 posts its buffers, `engine/live_buffers.py`)."""
+        if self.buffers.active():
+            self.buffers.post()
+
+    def state(self, recovery: live.Recovery) -> dict[str, Any]:
         reducer = self.ddp.reducer
         groups, rebuilt = reducer.live_layout()
         steps = reducer.driver.steps
-        return {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
+        state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
+        if self.buffers.active():
+            state["buffers"] = self.buffers.state(recovery)
+        return state
 
     def adopt(self, state: dict[str, Any]) -> None:
         """A replacement takes a survivor's step count and bucket layout."""
@@ -73,6 +84,8 @@ class LiveDDP:
         if reducer.driver.data_passes is not None:  # the first pass continues a resumed epoch
             self.passes = int(state["passes"])  # unless the sampler says it starts a new one
             reducer.driver.data_passes.adopt(self.passes, state.get("continues", True))
+        if "buffers" in state:  # after the steps: the kept copy is labelled with them
+            self.buffers.adopt(state["buffers"])
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""

@@ -43,6 +43,21 @@ SHARDED_REFUSAL = (
 )
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """Where the survivors recover: what the donor's hand-over depends on.
+
+    Args:
+        replaced: the ranks started again.
+        within_step: True when the survivors finish an interrupted step with the
+            replacement (it resumes at that step); False between two steps (it resumes
+            at the next one).
+    """
+
+    replaced: tuple[int, ...]
+    within_step: bool
+
+
 class LiveEngine(Protocol):
     """An engine's part: its step count, what a replacement adopts, its group references."""
 
@@ -50,7 +65,7 @@ class LiveEngine(Protocol):
     module: torch.nn.Module
 
     def refusal(self) -> str | None: ...
-    def state(self) -> dict[str, Any]: ...
+    def state(self, recovery: Recovery) -> dict[str, Any]: ...
     def adopt(self, state: dict[str, Any]) -> None: ...
     def regroup(self, group: dist.ProcessGroup) -> None: ...
 
@@ -69,7 +84,7 @@ class StateServer(Protocol):
     """The script's state (a Checkpointer's components): sent by a survivor to replacements."""
 
     def refusal(self) -> str | None: ...
-    def serve(self, donor: int, replaced: list[int]) -> None: ...
+    def serve(self, donor: int, recovery: Recovery) -> None: ...
 
 
 @dataclass
@@ -209,10 +224,15 @@ def rejoin(error: BaseException) -> list[int]:
     return replaced
 
 
-def hand_over(replaced: list[int]) -> None:
-    """Survivors, after `rejoin`: the donor sends the state; then this rank has joined."""
+def hand_over(replaced: list[int], within_step: bool) -> None:
+    """Survivors, after `rejoin`: the donor sends the state; then this rank has joined.
+
+    Args:
+        replaced: what `rejoin` returned.
+        within_step: the survivors run the interrupted step again (`Recovery`).
+    """
     server = _live.server or live_plain.PlainServer(_live.engines)
-    server.serve(_donor(replaced), replaced)
+    server.serve(_donor(replaced), Recovery(tuple(replaced), within_step))
     post_joined()
 
 
@@ -263,7 +283,7 @@ class LiveSteps:
             raise error
         start = time.monotonic()
         replaced = rejoin(error)
-        hand_over(replaced)
+        hand_over(replaced, within_step=True)
         self._relaunch(driver, step)
         print(
             f"lockstep [rank {dist.get_rank()}]: live recovery: generation {generation()}, rank(s) "

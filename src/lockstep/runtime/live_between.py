@@ -36,7 +36,7 @@ def between_steps(work: dist.Work, what: str) -> bool:
             raise
         start = time.monotonic()
         replaced = live.rejoin(error)
-        live.hand_over(replaced)
+        live.hand_over(replaced, within_step=False)
     print(
         f"lockstep [rank {dist.get_rank()}]: live recovery: generation {live.generation()}, "
         f"rank(s) {replaced} replaced during {what}, between steps; "

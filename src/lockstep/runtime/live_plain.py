@@ -45,12 +45,12 @@ class PlainServer:
     def refusal(self) -> str | None:
         return None
 
-    def serve(self, donor: int, replaced: list[int]) -> None:
+    def serve(self, donor: int, recovery: Any) -> None:  # `runtime/live.py`'s Recovery
         blob = None
         if dist.get_rank() == donor:
             bundle = {
                 "model": self.engines[0].module.state_dict(),
-                "engines": [engine.state() for engine in self.engines],
+                "engines": [engine.state(recovery) for engine in self.engines],
             }
             blob = live_wire.pack(bundle)
         live_wire.broadcast(blob, donor)

@@ -1,0 +1,152 @@
+"""Buffers broadcast at every forward, under live recovery (`engine/live.py`).
+
+torch's rule: a forward that follows a synchronised one broadcasts rank 0's buffers
+(BatchNorm's running statistics) to every rank; each rank's forward then moves its
+own copy with its own batch. So between two broadcasts the ranks' buffers differ,
+and a lost rank's are lost with it. Three things make such a model recoverable live:
+
+- *The broadcast is waited interruptibly* (`runtime/live_between.py`): a rank lost
+  there is recovered between steps; the survivors broadcast again with the replacement.
+- *A copy of the broadcast buffers* (`synced`), after each broadcast: a replacement
+  that resumes inside a step starts from the buffers every rank had at that step's
+  start, and skips its own first broadcast (the survivors are past it).
+- *Rank 0 posts its buffers* in the launcher's store after each synchronised forward:
+  a replacement of rank 0 between steps broadcasts what rank 0 would have (its
+  buffers after its last forward, which no survivor holds).
+
+The post costs rank 0 one store write of the buffers per step (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.errors import LockstepError
+from lockstep.runtime import live, live_wire
+from lockstep.runtime.live_between import between_steps
+
+POSTED_KEY = "lockstep/live/buffers0/{parity}"  # rank 0's (step, buffers), two steps kept
+
+
+class LiveBuffers:
+    """One DDP wrapper's broadcast buffers under live recovery."""
+
+    def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel
+        self.ddp = ddp
+        self.synced: dict[str, torch.Tensor] = {}  # as the last broadcast left them
+        self.synced_after = -1  # the steps finished at that broadcast (-1: none yet)
+        self.skip_next = False  # a replacement inside a step: its peers broadcast already
+
+    def active(self) -> bool:
+        return bool(self.ddp.forward_sync_buffers and self.named())
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a forward broadcasts (as `BufferSync.sync_buffers` picks them)."""
+        module = self.ddp.module
+        return [(n, b) for n, b in module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
+
+    # ------------------------------------------------------------- every step
+    def sync(self, src_rank: int) -> None:
+        """The forward's broadcast from group rank `src_rank`, recovered if a rank is lost."""
+        if self.skip_next:
+            self.skip_next = False
+            return
+        named = self.named()
+        while not self._broadcast([b for _, b in named], src_rank):
+            pass  # a rank was lost: the group is new, the replacement broadcasts with us
+        self._keep(named)
+
+    def _broadcast(self, buffers: list[torch.Tensor], src_rank: int) -> bool:
+        """One broadcast per dtype; False if a rank was lost (nothing written then)."""
+        ddp = self.ddp
+        what = f"the buffer broadcast before step {ddp.reducer.driver.steps + 1}"
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in buffers:
+            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        received = []
+        for group in groups.values():
+            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+            src = ddp.ctx.global_rank(src_rank)
+            work = dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True)
+            if not between_steps(work, what):
+                return False
+            received.append((group, flat))
+        with torch.no_grad():
+            for group, flat in received:
+                for tensor, value in zip(
+                    group, torch._utils._unflatten_dense_tensors(flat, group), strict=True
+                ):
+                    tensor.copy_(value)
+        return True
+
+    def _keep(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, buffer in named:
+                kept = self.synced.get(name)
+                if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
+                    self.synced[name] = buffer.detach().clone()
+                else:
+                    kept.copy_(buffer)
+        self.synced_after = self.ddp.reducer.driver.steps
+
+    def post(self) -> None:
+        """Rank 0, after a synchronised forward: its buffers, labelled with that step."""
+        if dist.get_rank() != 0:
+            return
+        step = self.ddp.reducer.driver.steps + 1
+        value = (step, {n: b.detach().cpu() for n, b in self.named()})
+        live.store().set(POSTED_KEY.format(parity=step % 2), live_wire.pack(value))
+
+    # ---------------------------------------------------------- at a recovery
+    def state(self, recovery: live.Recovery) -> dict[str, Any]:
+        """What the replacement's buffers must be, and whether its first forward broadcasts.
+
+        Raises:
+            LockstepError: the buffers a replacement needs exist nowhere (a forward
+                ran without the broadcast torch's rule puts before it).
+        """
+        ddp, steps = self.ddp, self.ddp.reducer.driver.steps
+        if recovery.within_step or not ddp.require_forward_param_sync:
+            # it resumes at this step (or its next forward keeps its own buffers): the
+            # buffers every rank had after this step's broadcast
+            if self.synced_after != steps:
+                raise LockstepError(
+                    f"live recovery: the buffers of the lost rank(s) {list(recovery.replaced)} "
+                    f"at step {steps + 1} exist nowhere: no forward since step {steps} "
+                    "broadcast them (torch's rule skips the broadcast after a forward without "
+                    "gradients); falling back to the whole-group restart"
+                )
+            buffers = self.synced
+        elif 0 in recovery.replaced and steps > 0:
+            buffers = self._posted(steps)  # what rank 0's next forward broadcasts
+        else:
+            buffers = {n: b.detach().clone() for n, b in self.named()}  # overwritten then
+        return {
+            "buffers": buffers,
+            "skip_first_sync": recovery.within_step,
+            "forward_sync": ddp.require_forward_param_sync or recovery.within_step,
+        }
+
+    def _posted(self, steps: int) -> dict[str, torch.Tensor]:
+        store, key = live.store(), POSTED_KEY.format(parity=steps % 2)
+        step, buffers = live_wire.unpack(store.get(key)) if store.check([key]) else (None, {})
+        if step != steps:
+            raise LockstepError(
+                f"live recovery: rank 0's buffers after the forward of step {steps} were not "
+                f"posted (found step {step}); falling back to the whole-group restart"
+            )
+        return buffers
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """The replacement takes the buffers (after the model's state was loaded)."""
+        named = dict(self.named())
+        with torch.no_grad():
+            for name, value in state["buffers"].items():
+                named[name].copy_(value)
+        self.skip_next = bool(state["skip_first_sync"])
+        self.ddp.require_forward_param_sync = bool(state["forward_sync"])
+        if self.skip_next or not self.ddp.require_forward_param_sync:
+            self._keep(list(named.items()))
