@@ -66,14 +66,15 @@ class LiveBuffers:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for buffer in buffers:
             groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        received = []
-        for group in groups.values():
+        received, works = [], []
+        for group in groups.values():  # all launched, then waited: one wait's latency
             flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
             src = ddp.ctx.global_rank(src_rank)
-            work = dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True)
+            works.append(dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True))
+            received.append((group, flat))
+        for work in works:
             if not between_steps(work, what):
                 return False
-            received.append((group, flat))
         with torch.no_grad():
             for group, flat in received:
                 for tensor, value in zip(
