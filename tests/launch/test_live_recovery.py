@@ -68,6 +68,15 @@ SCENARIOS = {
             "[rank 1]: live recovery: generation 2, rank(s) [0] replaced; step 4 finished again",
         ],
     ),
+    # rank 0 dies before its update of step 1: rank 1 meets the loss in the bucket
+    # rebuild's broadcast before step 2, and the replacement runs the rebuild with it
+    "0:0:optimizer": (
+        ["0.0.0", "0.1.0", "1.0.0"],
+        [
+            "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the bucket "
+            "rebuild's broadcast before step 2, between steps",
+        ],
+    ),
 }
 
 

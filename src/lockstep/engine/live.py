@@ -69,9 +69,10 @@ class LiveDDP:
 
     def state(self, recovery: live.Recovery) -> dict[str, Any]:
         reducer = self.ddp.reducer
-        groups, rebuilt = reducer.live_layout()
+        groups, rebuilt, ready = reducer.live_layout()
         steps = reducer.driver.steps
         state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
+        state["ready"] = [] if recovery.within_step else ready  # else it observes its own
         if self.buffers.active():
             state["buffers"] = self.buffers.state(recovery)
         return state
@@ -79,7 +80,7 @@ class LiveDDP:
     def adopt(self, state: dict[str, Any]) -> None:
         """A replacement takes a survivor's step count and bucket layout."""
         reducer = self.ddp.reducer
-        reducer.adopt_layout(state["groups"], state["rebuilt"])
+        reducer.adopt_layout(state["groups"], state["rebuilt"], state["ready"])
         reducer.driver.steps = int(state["steps"])
         if reducer.driver.data_passes is not None:  # the first pass continues a resumed epoch
             self.passes = int(state["passes"])  # unless the sampler says it starts a new one

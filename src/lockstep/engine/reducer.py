@@ -29,6 +29,7 @@ from lockstep.runtime.bucket_layout import BucketLayout
 from lockstep.runtime.bucketing import assign_buckets, param_specs
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.driver import BackwardDriver
+from lockstep.runtime.live_between import between_steps
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
 
@@ -141,23 +142,34 @@ class Reducer:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
         if self._rebuilt or len(self._ready_order) != len(self.params):
             return
-        order = torch.tensor(
-            self._ready_order, dtype=torch.int64, device=control_device(self.group)
-        )
-        if self.world_size > 1:
-            dist.broadcast(order, self.root, group=self.group)
+        while True:
+            order = torch.tensor(
+                self._ready_order, dtype=torch.int64, device=control_device(self.group)
+            )
+            if self.world_size == 1:
+                break
+            if self.driver.live is None:
+                dist.broadcast(order, self.root, group=self.group)
+                break
+            work = dist.broadcast(order, self.root, group=self.group, async_op=True)
+            if between_steps(work, "the bucket rebuild's broadcast before step 2"):
+                break  # else a rank was lost: the group is new, its replacement broadcasts too
         self._use_layout(self._groups(order.tolist()))
         self._rebuilt = True
 
-    def live_layout(self) -> tuple[list[list[int]], bool]:
-        """The bucket layout in use and whether the one rebuild happened (`engine/live.py`)."""
-        return [list(g) for g in self.layout.groups], self._rebuilt
+    def live_layout(self) -> tuple[list[list[int]], bool, list[int]]:
+        """The bucket layout in use, whether the one rebuild happened, and the ready order
+        it will use if not (`engine/live.py`)."""
+        groups = [list(g) for g in self.layout.groups]
+        return groups, self._rebuilt, [] if self._rebuilt else list(self._ready_order)
 
-    def adopt_layout(self, groups: list[list[int]], rebuilt: bool) -> None:
-        """A live replacement takes a survivor's layout, rebuilt or not."""
+    def adopt_layout(self, groups: list[list[int]], rebuilt: bool, ready: list[int]) -> None:
+        """A live replacement takes a survivor's layout, rebuilt or not (then the order
+        observed so far: a replacement that starts before the rebuild runs it with its peers)."""
         if [list(g) for g in self.layout.groups] != groups:
             self._use_layout(groups)
         self._rebuilt = rebuilt
+        self._ready_order = list(ready)
 
     # ------------------------------------------------------------ each step
     def arm(self, unused: list[int], forward_start: float, forward_end: float) -> None:
