@@ -1,8 +1,11 @@
-"""Live recovery for a collective between two steps (the Monitor's interval, its report).
+"""Live recovery for a collective between two steps.
 
-Such a collective runs after the optimizer's step, outside the backward driver: a
-rank lost in it is recovered as after a step's end, and the caller goes on without
-the collective's result (docs/multinode.md, "Live recovery").
+The Monitor's interval and report, the bucket rebuild's broadcast before step 2
+(`engine/reducer.py`), the buffer broadcast at a forward (`engine/live_buffers.py`):
+each runs after a step's end and before the next backward, outside the backward
+driver. A rank lost in it is recovered as after a step's end; the caller goes on
+without the collective's result (the Monitor) or runs it again with the replacement
+(the broadcasts). docs/multinode.md, "Live recovery".
 """
 
 from __future__ import annotations
