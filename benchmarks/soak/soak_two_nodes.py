@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -150,6 +151,8 @@ def summarize(records: list[dict], codes: list, problems: list[str], kills: int)
 def main() -> int:
     args = parse_args()
     out = Path(args.out).resolve()
+    for run in ("reference", "soaked"):  # a previous soak's checkpoints would be resumed
+        shutil.rmtree(out / run, ignore_errors=True)
     rng = random.Random(args.seed)
     script = ["--steps", str(args.steps)]
     started = time.monotonic()
