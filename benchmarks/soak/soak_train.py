@@ -6,8 +6,9 @@ A dataset of N_SAMPLES ids is dealt by `lockstep.shard`; the model is wrapped in
 `lockstep.DistributedDataParallel` and trained with Adam; a checkpoint (model,
 optimizer, sampler) is written after every step, numbered as `Checkpointer.save`
 documents: `save(step)` with the index of the step just finished, and the script
-resumes at `restore() + 1`. Rank 0 writes the final parameters and optimizer state
-to OUT/final.pt. The script runs no collective of its own (live recovery routes
+resumes at `restore() + 1`. `--batchnorm` adds a BatchNorm layer, whose buffers
+DDP broadcasts at every forward. Rank 0 writes the final parameters, buffers and
+optimizer state to OUT/final.pt. The script runs no collective of its own (live recovery routes
 only lockstep's): the sample ids are checked by the driver from the ranks' logs.
 
 For the soak driver (benchmarks/soak/soak_two_nodes.py) each worker writes its pid
@@ -101,11 +102,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--batchnorm", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     ctx = lockstep.init()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
+    norm = nn.BatchNorm1d(32) if args.batchnorm else nn.Identity()  # buffers at each forward
+    model = nn.Sequential(nn.Linear(FEATURES, 32), norm, nn.Tanh(), nn.Linear(32, 1))
     ddp = lockstep.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = lockstep.shard(Numbered(), BATCH, seed=5)

@@ -2,6 +2,7 @@
 
     make soak        # or: python benchmarks/soak/soak_two_nodes.py [--steps 480 --seed 0]
     python benchmarks/soak/soak_two_nodes.py --kills 3 --steps 120    # a short run
+    python benchmarks/soak/soak_two_nodes.py --batchnorm --out runs/soak_bn   # BatchNorm
 
 Needs root (two network namespaces, lockstep.testing.netns). First an uninterrupted
 two-node run of benchmarks/soak/soak_train.py is the reference. Then the same job
@@ -50,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=20, help="worker kills (plus one lost node)")
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batchnorm", action="store_true", help="buffers at every forward")
     return parser.parse_args()
 
 
@@ -154,7 +156,7 @@ def main() -> int:
     for run in ("reference", "soaked"):  # a previous soak's checkpoints would be resumed
         shutil.rmtree(out / run, ignore_errors=True)
     rng = random.Random(args.seed)
-    script = ["--steps", str(args.steps)]
+    script = ["--steps", str(args.steps), *(["--batchnorm"] if args.batchnorm else [])]
     started = time.monotonic()
     with two_hosts(prefix="soak") as hosts:
         reference = Job(hosts, out / "reference", ["--max-restarts", "0"], script)

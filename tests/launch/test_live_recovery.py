@@ -118,8 +118,9 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
 def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     """BatchNorm's running statistics, broadcast from rank 0 at each forward (torch's
     default). Rank 0 dies before its update of step 2: rank 1 meets the loss in the next
-    forward's broadcast, and rank 0's replacement broadcasts the buffers rank 0 posted
-    after its last forward (no survivor holds them). Then rank 1 dies inside backward of
+    forward's broadcast, and both it and rank 0's replacement take what the broadcast
+    carries from rank 0's post (its buffers after its last forward, which no survivor
+    holds); nobody broadcasts again. Then rank 1 dies inside backward of
     the last step: its replacement starts from the buffers broadcast at that step's start
     (not its donor's, which its forward moved) and does not broadcast (its peer is past
     it). Buffers included, bitwise."""
@@ -130,7 +131,7 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     log = _run(out, ["--live-recovery"], kill="0:1:optimizer,1:5:backward", script=script).log()
     lines = [
         "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the buffer "
-        "broadcast before step 3, between steps",
+        "broadcast of step 3, at the start of the step",
         "[rank 0]: live recovery: generation 2, rank(s) [1] replaced; step 6 finished again",
     ]
     for line in lines:
@@ -138,6 +139,13 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     assert "restart 1" not in log, log
     assert _processes(out) == ["0.0.0", "0.1.0", "1.0.0", "1.2.0"], log
     assert "model/4.running_mean" in _final(out, 0)
+    _assert_bitwise(out, oracle)
+    # the same in the last step: rank 1's own buffers end the run unchanged by a later
+    # broadcast, so the value it took from the post shows in its final state
+    out = tmp_path / "last_step"
+    log = _run(out, ["--live-recovery"], kill="0:4:optimizer", script=script).log()
+    line = "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the buffer "
+    assert line + "broadcast of step 6, at the start of the step" in log, log
     _assert_bitwise(out, oracle)
 
 

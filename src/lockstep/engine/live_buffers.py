@@ -6,13 +6,16 @@ own copy with its own batch. So between two broadcasts the ranks' buffers differ
 and a lost rank's are lost with it. Three things make such a model recoverable live:
 
 - *The broadcast is waited interruptibly* (`runtime/live_between.py`): a rank lost
-  there is recovered between steps; the survivors broadcast again with the replacement.
+  there is recovered as inside the step the forward opens (peers that received the
+  value may be in that step already); a rank still in the broadcast takes its value
+  from rank 0's post (below), and nobody broadcasts it again.
 - *A copy of the broadcast buffers* (`synced`), after each broadcast: a replacement
   that resumes inside a step starts from the buffers every rank had at that step's
   start, and skips its own first broadcast (the survivors are past it).
 - *Rank 0 posts its buffers* in the launcher's store after each synchronised forward:
-  a replacement of rank 0 between steps broadcasts what rank 0 would have (its
-  buffers after its last forward, which no survivor holds).
+  that is what the next broadcast carries, so a rank stuck in it takes it from there,
+  and a replacement of rank 0 between steps broadcasts what rank 0 would have (no
+  survivor holds rank 0's buffers after its own forward).
 
 The post costs rank 0 one store write of the buffers per step (docs/benchmarks.md).
 """
@@ -39,6 +42,7 @@ class LiveBuffers:
         self.synced: dict[str, torch.Tensor] = {}  # as the last broadcast left them
         self.synced_after = -1  # the steps finished at that broadcast (-1: none yet)
         self.skip_next = False  # a replacement inside a step: its peers broadcast already
+        self.in_broadcast = False
 
     def active(self) -> bool:
         return bool(self.ddp.forward_sync_buffers and self.named())
@@ -50,19 +54,33 @@ class LiveBuffers:
 
     # ------------------------------------------------------------- every step
     def sync(self, src_rank: int) -> None:
-        """The forward's broadcast from group rank `src_rank`, recovered if a rank is lost."""
+        """The forward's broadcast from group rank `src_rank`, recovered if a rank is lost.
+
+        A loss met here is recovered as inside the step this forward opens: peers that
+        had the broadcast's value may be inside that step already. This rank then takes
+        the value the broadcast carries, rank 0's buffers after its last synchronised
+        forward, from rank 0's post (`_broadcast_value`), and goes on into the step.
+        """
         if self.skip_next:
             self.skip_next = False
             return
         named = self.named()
-        while not self._broadcast([b for _, b in named], src_rank):
-            pass  # a rank was lost: the group is new, the replacement broadcasts with us
+        self.in_broadcast = True
+        try:
+            done = self._broadcast([b for _, b in named], src_rank)
+        finally:
+            self.in_broadcast = False
+        if not done:  # recovered: the state went over as for this step, now the value
+            value = self._broadcast_value(self.ddp.reducer.driver.steps)
+            with torch.no_grad():
+                for name, buffer in named:
+                    buffer.copy_(value[name])
         self._keep(named)
 
     def _broadcast(self, buffers: list[torch.Tensor], src_rank: int) -> bool:
         """One broadcast per dtype; False if a rank was lost (nothing written then)."""
         ddp = self.ddp
-        what = f"the buffer broadcast before step {ddp.reducer.driver.steps + 1}"
+        what = f"the buffer broadcast of step {ddp.reducer.driver.steps + 1}"
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for buffer in buffers:
             groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
@@ -73,7 +91,7 @@ class LiveBuffers:
             works.append(dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True))
             received.append((group, flat))
         for work in works:
-            if not between_steps(work, what):
+            if not between_steps(work, what, within_step=True):
                 return False
         with torch.no_grad():
             for group, flat in received:
@@ -110,7 +128,9 @@ class LiveBuffers:
                 ran without the broadcast torch's rule puts before it).
         """
         ddp, steps = self.ddp, self.ddp.reducer.driver.steps
-        if recovery.within_step or not ddp.require_forward_param_sync:
+        if recovery.within_step and self.in_broadcast:
+            buffers = self._broadcast_value(steps)  # what this step's broadcast carries
+        elif recovery.within_step or not ddp.require_forward_param_sync:
             # it resumes at this step (or its next forward keeps its own buffers): the
             # buffers every rank had after this step's broadcast
             if self.synced_after != steps:
@@ -121,8 +141,8 @@ class LiveBuffers:
                     "gradients); falling back to the whole-group restart"
                 )
             buffers = self.synced
-        elif 0 in recovery.replaced and steps > 0:
-            buffers = self._posted(steps)  # what rank 0's next forward broadcasts
+        elif 0 in recovery.replaced:
+            buffers = self._broadcast_value(steps)  # what rank 0's next forward broadcasts
         else:
             buffers = {n: b.detach().clone() for n, b in self.named()}  # overwritten then
         return {
@@ -131,7 +151,12 @@ class LiveBuffers:
             "forward_sync": ddp.require_forward_param_sync or recovery.within_step,
         }
 
-    def _posted(self, steps: int) -> dict[str, torch.Tensor]:
+    def _broadcast_value(self, steps: int) -> dict[str, torch.Tensor]:
+        """What a forward's broadcast after `steps` finished steps carries: rank 0's
+        buffers after its last synchronised forward (its post), or before any step the
+        buffers the wrap made equal on every rank."""
+        if steps == 0:
+            return {n: b.detach().clone() for n, b in self.named()}
         store, key = live.store(), POSTED_KEY.format(parity=steps % 2)
         step, buffers = live_wire.unpack(store.get(key)) if store.check([key]) else (None, {})
         if step != steps:

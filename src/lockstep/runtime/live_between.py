@@ -20,13 +20,17 @@ from lockstep.runtime import live, waits
 from lockstep.runtime.handles import WorkHandle
 
 
-def between_steps(work: dist.Work, what: str) -> bool:
+def between_steps(work: dist.Work, what: str, within_step: bool = False) -> bool:
     """Wait for `work`, a collective between two steps; False if a rank was lost in it.
 
     Under live recovery the lost rank is recovered here, as after a step's end: the
     donor's state is the finished step's, the replacement resumes at the next one and
     never runs this collective, so the caller goes on without its result (the
-    Monitor logs this rank's own figures for that interval).
+    Monitor logs this rank's own figures for that interval). `within_step`: the
+    collective opens the next step (the buffer broadcast at its forward), and the
+    hand-over is the one for a step the survivors finish with the replacement
+    (`runtime/live.py` `Recovery`): some peers may have finished the collective
+    and be inside the step already.
 
     Raises:
         RuntimeError: the collective failed and this rank cannot be recovered live.
@@ -39,10 +43,11 @@ def between_steps(work: dist.Work, what: str) -> bool:
             raise
         start = time.monotonic()
         replaced = live.rejoin(error)
-        live.hand_over(replaced, within_step=False)
+        live.hand_over(replaced, within_step)
+    where = "at the start of the step" if within_step else "between steps"
     print(
         f"lockstep [rank {dist.get_rank()}]: live recovery: generation {live.generation()}, "
-        f"rank(s) {replaced} replaced during {what}, between steps; "
+        f"rank(s) {replaced} replaced during {what}, {where}; "
         f"{time.monotonic() - start:.2f} s standing still",
         file=sys.stderr,
         flush=True,
