@@ -72,7 +72,7 @@ class LiveDDP:
         groups, rebuilt, ready = reducer.live_layout()
         steps = reducer.driver.steps
         state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
-        state["ready"] = [] if recovery.within_step else ready  # else it observes its own
+        state["ready"] = [] if recovery.within_step else ready  # inside a step: its own
         if self.buffers.active():
             state["buffers"] = self.buffers.state(recovery)
         return state

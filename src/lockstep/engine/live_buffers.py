@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lockstep.errors import LockstepError
 from lockstep.runtime import live, live_wire
 from lockstep.runtime.live_between import between_steps
+from lockstep.runtime.replicate import copy_back, flattened
 
 POSTED_KEY = "lockstep/live/buffers0/{parity}"  # rank 0's (step, buffers), two steps kept
 
@@ -81,24 +82,17 @@ class LiveBuffers:
         """One broadcast per dtype; False if a rank was lost (nothing written then)."""
         ddp = self.ddp
         what = f"the buffer broadcast of step {ddp.reducer.driver.steps + 1}"
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buffer in buffers:
-            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        received, works = [], []
-        for group in groups.values():  # all launched, then waited: one wait's latency
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
-            src = ddp.ctx.global_rank(src_rank)
-            works.append(dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True))
-            received.append((group, flat))
+        src = ddp.ctx.global_rank(src_rank)
+        chunks = list(flattened(buffers))  # small: a model's buffers
+        works = [  # all launched, then waited: one wait's latency
+            dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True)
+            for _, flat in chunks
+        ]
         for work in works:
             if not between_steps(work, what, within_step=True):
                 return False
-        with torch.no_grad():
-            for group, flat in received:
-                for tensor, value in zip(
-                    group, torch._utils._unflatten_dense_tensors(flat, group), strict=True
-                ):
-                    tensor.copy_(value)
+        for chunk, flat in chunks:
+            copy_back(chunk, flat)
         return True
 
     def _keep(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -7,7 +7,7 @@ in a few large broadcasts rather than one per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,18 +20,30 @@ def broadcast_tensors(
     tensors: Iterable[torch.Tensor], src: int, process_group: dist.ProcessGroup | None
 ) -> None:
     """Overwrite `tensors` on every rank with their values on global rank `src`, in place."""
+    for chunk, flat in flattened(tensors):
+        dist.broadcast(flat, src=src, group=process_group)
+        copy_back(chunk, flat)
+
+
+def flattened(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """`tensors` by dtype and device, in chunks of at most BROADCAST_CHUNK_BYTES, each
+    chunk with a flat copy of its values (what one broadcast sends), made as it is
+    reached: one chunk's copy at a time for a caller that sends each before the next."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for group in groups.values():
         for chunk in _chunks(group):
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in chunk])
-            dist.broadcast(flat, src=src, group=process_group)
-            for tensor, value in zip(
-                chunk, torch._utils._unflatten_dense_tensors(flat, chunk), strict=True
-            ):
-                with torch.no_grad():
-                    tensor.copy_(value)
+            yield chunk, torch._utils._flatten_dense_tensors([t.detach() for t in chunk])
+
+
+def copy_back(chunk: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write `flat`'s values into the tensors of `chunk` (the inverse of `flattened`)."""
+    with torch.no_grad():
+        for tensor, value in zip(
+            chunk, torch._utils._unflatten_dense_tensors(flat, chunk), strict=True
+        ):
+            tensor.copy_(value)
 
 
 def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
