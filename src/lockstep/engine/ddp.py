@@ -115,10 +115,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         if args.init_sync and not live.joining():  # a live replacement: from a survivor
             self._build_replicas()
         self._build_runtime()
-        self._live: LiveDDP | None = None
-        if live.enabled():
-            self._live = LiveDDP(self)
-            live.register_engine(self._live)
+        self._live: LiveDDP | None = LiveDDP.registered(self) if live.enabled() else None
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)

@@ -32,6 +32,13 @@ class LiveDDP:
         if driver.data_passes is not None:
             driver.end_of_step.append(self._note_passes)
 
+    @classmethod
+    def registered(cls, ddp: Any) -> LiveDDP:
+        """A new wrapper's part, registered with `runtime/live.py` (which may adopt now)."""
+        engine = cls(ddp)
+        live.register_engine(engine)
+        return engine
+
     def _note_passes(self) -> None:
         self.passes = self.ddp.reducer.driver.data_passes.seen
 

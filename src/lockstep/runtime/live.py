@@ -4,8 +4,8 @@ Under `lockstep run --live-recovery` (docs/multinode.md, "Live recovery"):
 
 | who | when | what |
 |---|---|---|
-| `BackwardDriver` | a bucket launches | `LiveSteps.keep`: copy its local gradients |
-| `BackwardDriver` | a wait failed | `LiveSteps.recover`: new group, serve, run again |
+| `BackwardDriver` | a bucket launches | `live_steps.py` `keep`: copy its local gradients |
+| `BackwardDriver` | a wait failed | `live_steps.py` `recover`: new group, serve, run again |
 | `Monitor` (between steps) | its collective failed | `live_between.py`: new group, serve |
 | an engine, a Checkpointer | built / restored | register, `declare` in the store |
 
@@ -15,25 +15,16 @@ far from the script's objects, and a process has one default group to re-form.
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lockstep import regroup
 from lockstep.env import read_seconds, read_timeout
-from lockstep.errors import LockstepError
 from lockstep.runtime import live_plain, waits
-
-if TYPE_CHECKING:
-    from lockstep.runtime.bucket import Bucket
-    from lockstep.runtime.bucket_collective import BucketCollective
-    from lockstep.runtime.fingerprint import StepFingerprint
-    from lockstep.runtime.step import StepState
 
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
 DEFAULT_ANNOUNCE_WAIT_S = 30.0
@@ -68,16 +59,6 @@ class LiveEngine(Protocol):
     def state(self, recovery: Recovery) -> dict[str, Any]: ...
     def adopt(self, state: dict[str, Any]) -> None: ...
     def regroup(self, group: dist.ProcessGroup) -> None: ...
-
-
-class Driver(Protocol):
-    """What the recovery uses of `BackwardDriver` (which imports this module)."""
-
-    buckets: list[Bucket]
-    collective: BucketCollective
-    fingerprint: StepFingerprint
-    sink: Any
-    steps: int
 
 
 class StateServer(Protocol):
@@ -246,7 +227,7 @@ def post_joined() -> None:
     store().set(key, "1")
 
 
-def _announced() -> None:
+def announced() -> None:
     """A wait's check: a newer generation was announced, so a rank was lost: stop waiting.
 
     On several nodes, a rank whose neighbours in the collective survived sees no error."""
@@ -256,53 +237,3 @@ def _announced() -> None:
             f"generation {generation} was announced while this rank waited (rank(s) "
             f"{replaced} replaced)"
         )
-
-
-class LiveSteps:
-    """One driver's part: copies of the step's local gradients, and the recovery."""
-
-    def __init__(self) -> None:
-        self.kept: dict[int, torch.Tensor] = {}  # by launch position, reused step to step
-        waits.interrupt_with(_announced)
-
-    def keep(self, position: int, buffer: torch.Tensor) -> None:
-        """A bucket is about to be launched: copy its local (not yet reduced) gradients.
-
-        The copy goes into the buffer of the last step's bucket at that position (no
-        allocation per step: a fresh gradient-sized tensor each step costs page faults).
-        """
-        kept = self.kept.get(position)
-        if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
-            self.kept[position] = buffer.clone()
-        else:
-            kept.copy_(buffer)
-
-    def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
-        """Finish the interrupted step with the new generation, or re-raise `error`."""
-        if isinstance(error, LockstepError):
-            raise error
-        start = time.monotonic()
-        replaced = rejoin(error)
-        hand_over(replaced, within_step=True)
-        self._relaunch(driver, step)
-        print(
-            f"lockstep [rank {dist.get_rank()}]: live recovery: generation {generation()}, rank(s) "
-            f"{replaced} replaced; step {driver.steps + 1} finished again after "
-            f"{time.monotonic() - start:.2f} s standing still",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def _relaunch(self, driver: Driver, step: StepState) -> None:
-        """The step's fingerprint and buckets again, from the kept local gradients."""
-        driver.fingerprint.launch(step.fingerprint)
-        last = len(driver.buckets) - 1
-        launched = driver.buckets[: step.next_bucket]
-        for index, bucket in enumerate(launched):
-            bucket.buffer.copy_(self.kept[index])
-            bucket.handle = driver.collective.launch(bucket, index == last)
-        for bucket in launched:
-            assert bucket.handle is not None
-            waits.wait(bucket.handle, "gradient bucket", driver.steps + 1, bucket.index, None)
-            driver.sink.collected(bucket)
-        driver.fingerprint.check()
