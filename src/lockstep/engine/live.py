@@ -71,8 +71,7 @@ class LiveDDP:
 
     def after_forward(self) -> None:
         """A synchronised forward ran (rank 0 posts its buffers, `engine/live_buffers.py`)."""
-        if self.buffers.active():
-            self.buffers.post()
+        self.buffers.post()
 
     def state(self, recovery: live.Recovery) -> dict[str, Any]:
         reducer = self.ddp.reducer

@@ -53,6 +53,10 @@ class LiveBuffers:
         module = self.ddp.module
         return [(n, b) for n, b in module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
 
+    def _own(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's buffers as they stand."""
+        return {n: b.detach().clone() for n, b in self.named()}
+
     # ------------------------------------------------------------- every step
     def sync(self, src_rank: int) -> None:
         """The forward's broadcast from group rank `src_rank`, recovered if a rank is lost.
@@ -107,10 +111,11 @@ class LiveBuffers:
 
     def post(self) -> None:
         """Rank 0, after a synchronised forward: its buffers, labelled with that step."""
-        if dist.get_rank() != 0:
+        named = self.named() if dist.get_rank() == 0 and self.ddp.forward_sync_buffers else []
+        if not named:
             return
         step = self.ddp.reducer.driver.steps + 1
-        value = (step, {n: b.detach().cpu() for n, b in self.named()})
+        value = (step, {n: b.detach().cpu() for n, b in named})
         live.store().set(POSTED_KEY.format(parity=step % 2), live_wire.pack(value))
 
     # ---------------------------------------------------------- at a recovery
@@ -138,7 +143,7 @@ class LiveBuffers:
         elif 0 in recovery.replaced:
             buffers = self._broadcast_value(steps)  # what rank 0's next forward broadcasts
         else:
-            buffers = {n: b.detach().clone() for n, b in self.named()}  # overwritten then
+            buffers = self._own()  # the next forward's broadcast overwrites them
         return {
             "buffers": buffers,
             "skip_first_sync": recovery.within_step,
@@ -150,7 +155,7 @@ class LiveBuffers:
         buffers after its last synchronised forward (its post), or before any step the
         buffers the wrap made equal on every rank."""
         if steps == 0:
-            return {n: b.detach().clone() for n, b in self.named()}
+            return self._own()
         store, key = live.store(), POSTED_KEY.format(parity=steps % 2)
         step, buffers = live_wire.unpack(store.get(key)) if store.check([key]) else (None, {})
         if step != steps:
