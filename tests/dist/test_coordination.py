@@ -59,10 +59,7 @@ def _blocked_then_announced(ctx, flag: str) -> dict[str, tuple[str, float]]:
     if ctx.rank == 2:  # sends nothing, then its loss is announced; alive until the end
         time.sleep(1.0)
         Path(flag).write_text("1")
-        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
-        while not all(Path(f"{flag}.{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline, "ranks 0 and 1 did not finish"
-            time.sleep(0.05)
+        _until_both_finished(flag)
         return {}
     seen = {}
     for method, group in groups.items():
@@ -78,7 +75,16 @@ def _blocked_then_announced(ctx, flag: str) -> dict[str, tuple[str, float]]:
             outcome = f"{type(error).__name__}: {error}"
         seen[method] = (outcome, time.monotonic() - start)
     Path(f"{flag}.{ctx.rank}").write_text("done")
+    _until_both_finished(flag)  # a rank that exits early resets its peer's connections
     return seen
+
+
+def _until_both_finished(flag: str) -> None:
+    """Ranks 0 and 1 are through the four messages: an exit now breaks no wait."""
+    deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
+    while not all(Path(f"{flag}.{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline, "ranks 0 and 1 did not finish"
+        time.sleep(0.05)
 
 
 def test_messages_equal_torchs_object_collectives():
