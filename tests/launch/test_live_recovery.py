@@ -22,9 +22,12 @@ STEPS = 6
 WAIT_S = 150
 
 
-def _run(out: Path, flags: list[str], kill: str = "", script: tuple[str, ...] = ()) -> Launcher:
+def _run(
+    out: Path, flags: list[str], kill: str = "", script: tuple[str, ...] = (), nproc: int = 2
+) -> Launcher:
     out.mkdir(parents=True, exist_ok=True)
-    argv = ["--nproc-per-node", "2", *flags, SCRIPT, "--out", str(out), "--steps", str(STEPS)]
+    argv = ["--nproc-per-node", str(nproc), *flags, SCRIPT, "--out", str(out)]
+    argv += ["--steps", str(STEPS)]
     env = {"LOCKSTEP_TEST_KILL": kill, "LOCKSTEP_STALL_WARN_S": "60"}
     launcher = Launcher([*argv, *script], out / "launcher.log", env=env)
     code = launcher.wait(WAIT_S)
@@ -69,12 +72,13 @@ SCENARIOS = {
         ],
     ),
     # rank 0 dies before its update of step 1: rank 1 meets the loss in the bucket
-    # rebuild's broadcast before step 2, and the replacement runs the rebuild with it
+    # rebuild's broadcast before step 2, before rank 0 posted its order: rank 1, the
+    # donor, posts its own, and the replacement adopts the layout rebuilt in that order
     "0:0:optimizer": (
         ["0.0.0", "0.1.0", "1.0.0"],
         [
             "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the bucket "
-            "rebuild's broadcast before step 2, between steps",
+            "rebuild's broadcast before step 2, at the start of the step",
         ],
     ),
 }
@@ -147,6 +151,31 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     line = "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the buffer "
     assert line + "broadcast of step 6, at the start of the step" in log, log
     _assert_bitwise(out, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live(tmp_path):
+    """Three ranks; rank 1 dies as its second forward starts, before the bucket rebuild's
+    broadcast of rank 0's ready order. gloo's broadcast delivers to rank 2 directly:
+    rank 2 has the order and is inside step 2's backward, while rank 0 still waits on
+    its send to rank 1. Rank 0 takes the order from its own post, nobody broadcasts it
+    again, the replacement adopts the rebuilt layout (run again, the broadcast met
+    rank 2's gradient bucket: gloo aborted on the size mismatch)."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, [], nproc=3)
+    out = tmp_path / "killed"
+    log = _run(out, ["--live-recovery"], kill="1:1:wrapper", nproc=3).log()
+    lines = [
+        "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the bucket "
+        "rebuild's broadcast before step 2, at the start of the step",
+        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced; step 2 finished again",
+    ]
+    for line in lines:
+        assert line in log, (line, log)
+    assert "restart 1" not in log, log
+    assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0", "2.0.0"], log
+    _assert_bitwise(out, oracle, world_size=3)
 
 
 @pytest.mark.slow

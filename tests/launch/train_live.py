@@ -7,7 +7,8 @@ dropout stream (seeded by its rank), and tiny buckets make a step several
 all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
 itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
 the other buckets were launched), "forward", "end_step" (its buckets reduced, before
-the non-finite check's agreement) or "optimizer" (before its update).
+the non-finite check's agreement), "wrapper" (as the wrapper's forward starts, before
+its own collectives) or "optimizer" (before its update).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
@@ -84,6 +85,8 @@ def arm_kill(
         model[2].register_forward_pre_hook(lambda *_: die())
     elif where == "end_step" and ddp is not None:  # first of the engine's end-of-step actions
         ddp.reducer.driver.end_of_step.insert(0, die)
+    elif where == "wrapper" and ddp is not None:  # before the wrapper's own collectives
+        ddp.register_forward_pre_hook(lambda *_: die())
     elif where == "optimizer":  # after the step's collectives, before its update
         optimizer.register_step_pre_hook(lambda *_: die())
 

@@ -75,7 +75,7 @@ class LiveDDP:
 
     def state(self, recovery: live.Recovery) -> dict[str, Any]:
         reducer = self.ddp.reducer
-        groups, rebuilt, ready = reducer.live_layout()
+        groups, rebuilt, ready = reducer.live_layout(recovery.within_step)
         steps = reducer.driver.steps
         state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
         state["ready"] = [] if recovery.within_step else ready  # inside a step: its own

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.context import DistContext
+from lockstep.engine import live_rebuild
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
@@ -29,7 +30,6 @@ from lockstep.runtime.bucket_layout import BucketLayout
 from lockstep.runtime.bucketing import assign_buckets, param_specs
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.driver import BackwardDriver
-from lockstep.runtime.live_between import between_steps
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
 
@@ -83,6 +83,7 @@ class Reducer:
             self, collective, process_group, ctx.rank, ctx.world_size, check_data_passes
         )
         self._rebuilt = False
+        self._in_live_rebuild = False  # a hand-over meanwhile gives the rebuilt layout
         self._ready_order: list[int] = []
         # Parameters whose hook fired since the last synchronised step (torch's local
         # used map: a micro-batch under no_sync() counts); only find_unused reads it.
@@ -142,24 +143,26 @@ class Reducer:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
         if self._rebuilt or len(self._ready_order) != len(self.params):
             return
-        while True:
-            order = torch.tensor(
-                self._ready_order, dtype=torch.int64, device=control_device(self.group)
-            )
-            if self.world_size == 1:
-                break
-            if self.driver.live is None:
-                dist.broadcast(order, self.root, group=self.group)
-                break
-            work = dist.broadcast(order, self.root, group=self.group, async_op=True)
-            if between_steps(work, "the bucket rebuild's broadcast before step 2"):
-                break  # else a rank was lost: the group is new, its replacement broadcasts too
-        self._use_layout(self._groups(order.tolist()))
+        order = self._ready_order
+        if self.world_size > 1 and self.driver.live is None:
+            sent = torch.tensor(order, dtype=torch.int64, device=control_device(self.group))
+            dist.broadcast(sent, self.root, group=self.group)
+            order = sent.tolist()
+        elif self.world_size > 1:  # under live recovery: `engine/live_rebuild.py`
+            self._in_live_rebuild = True
+            try:
+                order = live_rebuild.broadcast_order(torch.tensor(order), self.root, self.group)
+            finally:
+                self._in_live_rebuild = False
+        self._use_layout(self._groups(order))
         self._rebuilt = True
 
-    def live_layout(self) -> tuple[list[list[int]], bool, list[int]]:
+    def live_layout(self, within_step: bool) -> tuple[list[list[int]], bool, list[int]]:
         """The bucket layout in use, whether the one rebuild happened, and the ready order
-        it will use if not (`engine/live.py`)."""
+        it will use if not (`engine/live.py`). A loss met in the rebuild's broadcast is
+        recovered as at the start of step 2: the layout is then the rebuilt one."""
+        if within_step and self._in_live_rebuild:
+            return self._groups(live_rebuild.agreed_order(self._ready_order)), True, []
         groups = [list(g) for g in self.layout.groups]
         return groups, self._rebuilt, [] if self._rebuilt else list(self._ready_order)
 

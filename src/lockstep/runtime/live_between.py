@@ -1,12 +1,12 @@
 """Live recovery for a collective between two steps.
 
 The Monitor's interval and report, the bucket rebuild's broadcast before step 2
-(`engine/reducer.py`), the buffer broadcast at a forward (`engine/live_buffers.py`):
-each runs after a step's end and before the next backward, outside the backward
-driver. A rank lost in it is recovered as after a step's end (the buffer broadcast:
-as at the start of the step it opens); the caller goes on without the collective's
-result (the Monitor), runs it again with the replacement (the rebuild), or takes its
-value from rank 0's post (the buffers). docs/multinode.md, "Live recovery".
+(`engine/live_rebuild.py`), the buffer broadcast at a forward
+(`engine/live_buffers.py`): each runs after a step's end and before the next
+backward, outside the backward driver. A rank lost in it is recovered as after a
+step's end (the two broadcasts: as at the start of the step they open); the caller
+goes on without the collective's result (the Monitor) or takes its value from rank
+0's post (the broadcasts). docs/multinode.md, "Live recovery".
 """
 
 from __future__ import annotations
