@@ -10,6 +10,7 @@ with its one-line reason.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -176,6 +177,27 @@ def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live
     assert "restart 1" not in log, log
     assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0", "2.0.0"], log
     _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):
+    """Rank 1 dies after its last step, before its Monitor's `close()`; rank 0 is in the
+    barrier that waits for every rank's trace file. Its replacement receives the state
+    as after the last step, runs no step, closes its Monitor; rank 0's barrier runs
+    again with it, and rank 0 merges the trace. The replacement's final state is the
+    survivor's (DDP's replicas end equal), bitwise."""
+    script = ("--monitor", "--trace")
+    log = _run(tmp_path, ["--live-recovery"], kill="1:5:close", script=script).log()
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the Monitor's"
+    assert line + " closing barrier, between steps" in log, log
+    assert "restart 1" not in log, log
+    assert _processes(tmp_path) == ["0.0.0", "1.0.0", "1.1.0"], log
+    merged = json.loads((tmp_path / "trace" / "trace.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"] if "pid" in e} == {0, 1}
+    replacement, survivor = _final(tmp_path, 1), _final(tmp_path, 0)
+    assert replacement.keys() == survivor.keys()
+    assert [k for k in survivor if not torch.equal(replacement[k], survivor[k])] == []
 
 
 @pytest.mark.slow

@@ -8,12 +8,14 @@ all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
 itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
 the other buckets were launched), "forward", "end_step" (its buckets reduced, before
 the non-finite check's agreement), "wrapper" (as the wrapper's forward starts, before
-its own collectives) or "optimizer" (before its update).
+its own collectives), "optimizer" (before its update) or "close" (after the last
+step STEP, before the Monitor's close).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
 `lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
-between steps); `--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
+between steps; `--trace` a trace too, whose files a barrier in `close()` awaits);
+`--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
 BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward.
 """
 
@@ -42,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--engine", choices=["ddp", "sharded"], default="ddp")
     parser.add_argument("--monitor", action="store_true")
+    parser.add_argument("--trace", action="store_true")
     parser.add_argument("--own-collective", action="store_true")
     parser.add_argument("--batchnorm", action="store_true")
     return parser.parse_args()
@@ -123,7 +126,10 @@ def main() -> None:
     monitor = None
     if args.monitor:
         every = {"log_every": 2, "straggler_every": 2}
-        monitor = lockstep.Monitor(ddp, ctx, **every, start_step=start, progress=False)
+        trace = out / "trace" if args.trace else False
+        monitor = lockstep.Monitor(
+            ddp, ctx, **every, start_step=start, progress=False, trace=trace
+        )
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         x, y = batch(step, ctx.rank, ctx.world_size)
@@ -139,6 +145,8 @@ def main() -> None:
             checkpoints.save(step, model=ddp, optimizer=optimizer)
         print(f"rank {ctx.rank} finished step {step}", flush=True)
         time.sleep(args.step_sleep)
+    if where == "close" and armed[0]:  # after the last step, before the Monitor's close
+        os.kill(os.getpid(), signal.SIGKILL)
     if monitor is not None:
         monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}

@@ -36,8 +36,10 @@ from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summ
 from lockstep.observe.straggler import StragglerReport, StragglerWatch
 from lockstep.observe.trace import TraceRecorder, merge_traces
 from lockstep.runtime import live
+from lockstep.runtime.live_between import between_steps
 
 METRICS_FILE = "metrics.jsonl"
+CLOSING = "the Monitor's closing barrier"
 PathLike = str | os.PathLike[str]
 
 
@@ -265,8 +267,9 @@ class Monitor:
             self._env_tracer.close()
         else:
             trace.write()
-        if self.ctx.world_size > 1:
-            dist.barrier(group=self.group)
+        if self.ctx.world_size > 1:  # every rank's file is written; a loss: again, with its
+            while not between_steps(dist.barrier(group=self.group, async_op=True), CLOSING):
+                pass  # replacement, which runs no step and closes its Monitor too
         if not self.ctx.is_main:
             return None
         try:
