@@ -127,9 +127,7 @@ def main() -> None:
     if args.monitor:
         every = {"log_every": 2, "straggler_every": 2}
         trace = out / "trace" if args.trace else False
-        monitor = lockstep.Monitor(
-            ddp, ctx, **every, start_step=start, progress=False, trace=trace
-        )
+        monitor = lockstep.Monitor(ddp, ctx, **every, start_step=start, progress=False, trace=trace)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         x, y = batch(step, ctx.rank, ctx.world_size)
