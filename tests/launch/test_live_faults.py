@@ -19,6 +19,7 @@ import pytest
 import torch
 from launchkit import Launcher
 from test_live_recovery import _assert_bitwise, _processes
+from train_live_faults import BATCH, SAMPLES
 
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.launch.cli import add_parser, run_config
@@ -26,11 +27,14 @@ from lockstep.launch.cli import add_parser, run_config
 HERE = Path(__file__).parent
 FAULTS, PLAIN = str(HERE / "train_live_faults.py"), str(HERE / "train_live_plain.py")
 WAIT_S = 150
+STEPS_PER_EPOCH = SAMPLES // (2 * BATCH)  # at world size 2; the script runs 8 steps
 
 
-def _run(out: Path, script: str, flags: list[str], env: dict[str, str] | None = None) -> str:
+def _run(
+    out: Path, script: str, flags: list[str], env: dict[str, str] | None = None, *args: str
+) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    argv = ["--nproc-per-node", "2", *flags, script, "--out", str(out)]
+    argv = ["--nproc-per-node", "2", *flags, script, "--out", str(out), *args]
     env = {"LOCKSTEP_TEST_KILL": "", "LOCKSTEP_STALL_WARN_S": "60", **(env or {})}
     launcher = Launcher(argv, out / "launcher.log", env=env)
     code = launcher.wait(WAIT_S)
@@ -104,6 +108,29 @@ def test_faults_in_four_generations_against_one_oracle(tmp_path):
     for rank in (0, 1):
         assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
     _assert_same_checkpoints(out, oracle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_seed_left_to_rank_0_goes_over_when_rank_0_is_lost_in_the_first_step(tmp_path):
+    """`shard(seed=None)`: each rank draws a seed, and all take rank 0's at the first
+    pass's agreement, inside step 0. Rank 0 dies in that step's backward; its
+    replacement must read rank 0's order (the agreed seed, sent by the donor), not the
+    donor's own draw. No oracle run shares a random seed, so the observation is the
+    data: in each epoch the two ranks' ids together are every sample at most once, and
+    the first (whole) epoch every sample exactly once (before the fix, with the donor's
+    own draw, 8 of the 40 were read twice in that epoch)."""
+    env = {"LOCKSTEP_TEST_KILL": "0:0:backward"}
+    log = _run(tmp_path, FAULTS, ["--live-recovery"], env, "--random-seed")
+    assert "[rank 1]: live recovery: generation 1, rank(s) [0] replaced; step 1 finished" in log
+    assert _processes(tmp_path) == ["0.0.0", "0.1.0", "1.0.0"], log
+    epochs: dict[int, list[int]] = {}
+    for rank in (0, 1):
+        for line in _ids(tmp_path, rank):
+            step, *ids = map(int, line.split())
+            epochs.setdefault(step // STEPS_PER_EPOCH, []).extend(ids)
+    assert sorted(epochs[0]) == list(range(SAMPLES)), sorted(epochs[0])
+    assert len(set(epochs[1])) == len(epochs[1]) == 3 * 2 * BATCH, sorted(epochs[1])
 
 
 @pytest.mark.slow

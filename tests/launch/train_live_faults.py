@@ -95,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--random-seed", action="store_true", help="shard(seed=None)")
     args = parser.parse_args()
     out = Path(args.out)
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
@@ -111,7 +112,7 @@ def main() -> None:
     np.random.seed(ctx.rank)
     ddp = lockstep.DistributedDataParallel(model, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
-    loader = lockstep.shard(Numbered(), batch_size=BATCH, seed=0)
+    loader = lockstep.shard(Numbered(), batch_size=BATCH, seed=None if args.random_seed else 0)
     checkpoints = lockstep.Checkpointer(out / "ckpt", keep=2)
     last = checkpoints.restore(model=ddp, optimizer=optimizer, sampler=loader)
     name = f"{ctx.rank}.{generation}.{ctx.restart_count}"

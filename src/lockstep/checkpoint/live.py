@@ -77,7 +77,7 @@ class LiveState:
         components = {"model": self.model, **self.components}
         payload = build_payload(max(finished - 1, 0), world, components, states, None)
         payload["extra"] = self.checkpointer.extra
-        payload["sampler"] = self.sampler.state  # as of the last finished step
+        payload["sampler"] = self.sampler.handed()  # as of the last finished step
         engines = [engine.state(recovery) for engine in live.engines()]
         bundle = {"payload": payload, "finished": finished, "engines": engines}
         return {**bundle, "save": self.interrupted_save}

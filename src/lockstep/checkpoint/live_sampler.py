@@ -30,6 +30,19 @@ class SamplerPlace:
         if self.sampler is not None:
             self.state = copy.deepcopy(self.sampler.state_dict())
 
+    def handed(self) -> Any:
+        """The copy a donor sends, with the seed the ranks agreed on since it was taken.
+
+        With `seed=None` each rank draws its own seed and takes rank 0's at the first
+        pass's agreement, inside the first step: the copy taken at `restore()` still
+        holds the donor's own draw, and a replacement of rank 0 lost in that step read
+        another order than its peers (samples seen twice, others never).
+        """
+        inner = getattr(self.sampler, "sampler", self.sampler)  # `shard()`'s loader
+        if isinstance(inner, ShardedSampler) and inner.agreed and isinstance(self.state, dict):
+            return {**self.state, "seed": inner.seed}
+        return self.state
+
 
 def received(sampler: Any) -> None:
     """A replacement loaded its sampler from a peer: no first-pass agreement of its own."""

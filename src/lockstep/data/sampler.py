@@ -201,6 +201,11 @@ class ShardedSampler(Sampler[int]):
         self.seed = int(statements[0]["seed used"] or 0)
         self._agreed = True
 
+    @property
+    def agreed(self) -> bool:
+        """The ranks' first-pass agreement is done (the seed is every rank's from then on)."""
+        return self._agreed
+
     def agreed_elsewhere(self) -> None:
         """Skip the first pass's check: a live replacement's peers agreed long ago, and its
         state (seed included) came from one of them (`checkpoint/live_sampler.py`)."""
