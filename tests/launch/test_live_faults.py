@@ -124,13 +124,50 @@ def test_a_seed_left_to_rank_0_goes_over_when_rank_0_is_lost_in_the_first_step(t
     log = _run(tmp_path, FAULTS, ["--live-recovery"], env, "--random-seed")
     assert "[rank 1]: live recovery: generation 1, rank(s) [0] replaced; step 1 finished" in log
     assert _processes(tmp_path) == ["0.0.0", "0.1.0", "1.0.0"], log
+    _assert_each_sample_once(tmp_path)
+
+
+def _assert_each_sample_once(out: Path) -> None:
+    """The two ranks' ids of 8 steps: the first epoch whole, each sample once; then 3
+    steps of the next, none twice."""
     epochs: dict[int, list[int]] = {}
     for rank in (0, 1):
-        for line in _ids(tmp_path, rank):
+        for line in _ids(out, rank):
             step, *ids = map(int, line.split())
             epochs.setdefault(step // STEPS_PER_EPOCH, []).extend(ids)
     assert sorted(epochs[0]) == list(range(SAMPLES)), sorted(epochs[0])
     assert len(set(epochs[1])) == len(epochs[1]) == 3 * 2 * BATCH, sorted(epochs[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_loss_met_in_the_samplers_agreement_is_recovered_live(tmp_path):
+    """Rank 1 dies before its first batch while rank 0 waits in the sampler's agreement
+    (the ranks' statements about the data, gathered before the first batch). With
+    BatchNorm: rank 0 takes its own posted statement, keeps its buffers (what the first
+    forward's broadcast carries) and skips that broadcast, as the replacement does.
+    Bitwise equal to the uninterrupted run, buffers and sample ids included. Then with
+    `seed=None` rank 0 dies there, before it posted: nobody has its seed, and the
+    survivor and the replacement both take the donor's (each sample once)."""
+    script = ("--batchnorm",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], None, *script)
+    out = tmp_path / "killed"
+    log = _run(out, FAULTS, ["--live-recovery"], {"LOCKSTEP_TEST_KILL": "1:0:agreement"}, *script)
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the data's "
+    assert line + "agreement before the first batch, at the start of the step" in log, log
+    assert "restart 1" not in log and "not possible" not in log, log
+    assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0"], log
+    _assert_bitwise(out, oracle)
+    for rank in (0, 1):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
+    out = tmp_path / "random_seed"
+    env = {"LOCKSTEP_TEST_KILL": "0:0:agreement"}
+    log = _run(out, FAULTS, ["--live-recovery"], env, "--random-seed")
+    assert "[rank 1]: live recovery in the data's agreement before the first batch: took " \
+        "rank 1's statement" in log, log  # fmt: skip
+    assert _processes(out) == ["0.0.0", "0.1.0", "1.0.0"], log
+    _assert_each_sample_once(out)
 
 
 @pytest.mark.slow

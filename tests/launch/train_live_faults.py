@@ -6,10 +6,12 @@ The data comes from `lockstep.shard` over numbered samples (several epochs), and
 sampler is handed to `Checkpointer.restore`; after each backward a rank appends the
 step and its sample ids to OUT/ids/<rank>.<generation>.<restart>. Faults
 (LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]", each for the process of RANK that runs
-STEP, replacements included): WHERE as in `train_live.py`, or "save" (rank 0 dies
-between the checkpoint's temporary file and its rename, another rank before the
-save's barrier), or "hang" (stays in forward); LOCKSTEP_TEST_KILL_REPLACEMENT=
-"RANK:GENERATION" makes that replacement die before it joins.
+STEP, replacements included): WHERE as in `train_live.py`, or "agreement" (before
+the process's first batch: its peers wait in the sampler's agreement), or "save"
+(rank 0 dies between the checkpoint's temporary file and its rename, another rank
+before the save's barrier), or "hang" (stays in forward);
+LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
+joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--random-seed", action="store_true", help="shard(seed=None)")
+    parser.add_argument("--batchnorm", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
@@ -103,8 +106,9 @@ def main() -> None:
         die()  # before init(): it never joins its generation
     ctx = lockstep.init()
     torch.manual_seed(0)
+    norm = nn.BatchNorm1d(32) if args.batchnorm else nn.Identity()
     model = nn.Sequential(
-        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), norm, nn.Tanh(),
         nn.Linear(32, 1),
     )  # fmt: skip
     torch.manual_seed(100 + ctx.rank)
@@ -126,6 +130,8 @@ def main() -> None:
     batches = endless(loader)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
+        if where == "agreement" and armed[0]:  # before its first batch: peers in the agreement
+            die()
         ids, x, y = next(batches)
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()

@@ -9,6 +9,8 @@ of times and one of them would hang there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
 from lockstep.agreement import gather_from_ranks
@@ -39,6 +41,7 @@ def check_data_agreement(
     process_group: dist.ProcessGroup | None = None,
     *,
     shared: dict[str, int | None] | None = None,
+    gather: Callable[[dict[str, int | None]], list[dict[str, int | None]]] | None = None,
 ) -> list[dict[str, int | None]]:
     """Gather `statement` from every rank and raise on every rank if any field differs.
 
@@ -48,6 +51,8 @@ def check_data_agreement(
         process_group: the ranks that must agree; the default group when None.
         shared: further fields that are gathered but not compared (such as a random seed
             that every rank then takes from rank 0).
+        gather: how the statements are gathered (live recovery's interruptible gather,
+            `data/live_agreement.py`); `gather_statements` over `process_group` if None.
 
     Returns:
         Every rank's statement and shared fields together, indexed by rank.
@@ -55,7 +60,8 @@ def check_data_agreement(
     Raises:
         RankMismatchError: the ranks differ; the message names each field, rank and value.
     """
-    statements = gather_statements({**(shared or {}), **statement}, process_group)
+    mine = {**(shared or {}), **statement}
+    statements = gather(mine) if gather else gather_statements(mine, process_group)
     lines = disagreements([{k: s[k] for k in statement} for s in statements])
     if lines:
         raise RankMismatchError(

@@ -16,6 +16,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Sized
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lockstep.context import group_context
+from lockstep.data import live_agreement
 from lockstep.data.agreement import check_data_agreement
+from lockstep.runtime import live
 
 STATE_KEYS = ("epoch", "position", "seed", "num_samples", "world_size", "shuffle")
 
@@ -195,10 +198,17 @@ class ShardedSampler(Sampler[int]):
             "batches per epoch": self.batches_per_epoch,
             "seed": self.seed if self._seed_given else None,
         }
+        gather = None
+        if live.enabled() and self.process_group is None:  # a loss there is recovered
+            gather = partial(live_agreement.gather, settle=self._settle)
         statements = check_data_agreement(
-            statement, self.process_group, shared={"seed used": self.seed}
+            statement, self.process_group, shared={"seed used": self.seed}, gather=gather
         )
-        self.seed = int(statements[0]["seed used"] or 0)
+        self._settle(statements[0])
+
+    def _settle(self, rank0: dict[str, int | None]) -> None:
+        """Take rank 0's seed: the agreement is done."""
+        self.seed = int(rank0["seed used"] or 0)
         self._agreed = True
 
     @property

@@ -94,6 +94,11 @@ class LiveDDP:
         if "buffers" in state:  # after the steps: the kept copy is labelled with them
             self.buffers.adopt(state["buffers"])
 
+    def recovered_before_forward(self) -> None:
+        """A loss met before this process's first forward, recovered as at the start of
+        the step (the sampler's agreement, `data/live_agreement.py`)."""
+        self.buffers.recovered_before_forward()
+
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""
         ddp = self.ddp

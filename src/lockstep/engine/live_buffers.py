@@ -119,6 +119,25 @@ class LiveBuffers:
         live.store().set(POSTED_KEY.format(parity=step % 2), live_wire.pack(value))
 
     # ---------------------------------------------------------- at a recovery
+    def recovered_before_forward(self) -> None:
+        """A loss met before this process's first forward, recovered as at the start of
+        the step: that step's broadcast carries what every rank holds now (the wrap's or
+        `restore()`'s buffers), so this rank keeps them and skips it, as its peers past
+        it did.
+
+        Raises:
+            LockstepError: a forward ran already in this process (its buffers moved).
+        """
+        if not self.active():
+            return
+        if self.synced_after != -1:
+            raise LockstepError(
+                "live recovery: a loss met in the data's agreement after a forward had "
+                "moved this rank's buffers; falling back to the whole-group restart"
+            )
+        self._keep(self.named())
+        self.skip_next = True
+
     def state(self, recovery: live.Recovery) -> dict[str, Any]:
         """What the replacement's buffers must be, and whether its first forward broadcasts.
 

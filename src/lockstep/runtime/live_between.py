@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -21,7 +22,12 @@ from lockstep.runtime import live, waits
 from lockstep.runtime.handles import WorkHandle
 
 
-def between_steps(work: dist.Work, what: str, within_step: bool = False) -> bool:
+def between_steps(
+    work: dist.Work,
+    what: str,
+    within_step: bool = False,
+    before_hand_over: Callable[[list[int]], None] | None = None,
+) -> bool:
     """Wait for `work`, a collective between two steps; False if a rank was lost in it.
 
     Under live recovery the lost rank is recovered here, as after a step's end: the
@@ -31,7 +37,8 @@ def between_steps(work: dist.Work, what: str, within_step: bool = False) -> bool
     collective opens the next step (the buffer broadcast at its forward), and the
     hand-over is the one for a step the survivors finish with the replacement
     (`runtime/live.py` `Recovery`): some peers may have finished the collective
-    and be inside the step already.
+    and be inside the step already. `before_hand_over(replaced)`: what this rank
+    settles in the new group before the donor sends the state (the sampler's seed).
 
     Raises:
         RuntimeError: the collective failed and this rank cannot be recovered live.
@@ -44,6 +51,8 @@ def between_steps(work: dist.Work, what: str, within_step: bool = False) -> bool
             raise
         start = time.monotonic()
         replaced = live.rejoin(error)
+        if before_hand_over is not None:
+            before_hand_over(replaced)
         live.hand_over(replaced, within_step)
     where = "at the start of the step" if within_step else "between steps"
     print(
