@@ -31,10 +31,15 @@ STEPS_PER_EPOCH = SAMPLES // (2 * BATCH)  # at world size 2; the script runs 8 s
 
 
 def _run(
-    out: Path, script: str, flags: list[str], env: dict[str, str] | None = None, *args: str
+    out: Path,
+    script: str,
+    flags: list[str],
+    env: dict[str, str] | None = None,
+    *args: str,
+    nproc: int = 2,
 ) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    argv = ["--nproc-per-node", "2", *flags, script, "--out", str(out), *args]
+    argv = ["--nproc-per-node", str(nproc), *flags, script, "--out", str(out), *args]
     env = {"LOCKSTEP_TEST_KILL": "", "LOCKSTEP_STALL_WARN_S": "60", **(env or {})}
     launcher = Launcher(argv, out / "launcher.log", env=env)
     code = launcher.wait(WAIT_S)
@@ -168,6 +173,39 @@ def test_a_loss_met_in_the_samplers_agreement_is_recovered_live(tmp_path):
         "rank 1's statement" in log, log  # fmt: skip
     assert _processes(out) == ["0.0.0", "0.1.0", "1.0.0"], log
     _assert_each_sample_once(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_survivors_between_steps_catch_up_with_a_peer_past_the_next_forward(tmp_path):
+    """Three ranks, BatchNorm. Rank 1 dies inside rank 0's word on the save of step 3
+    (its length received, not its bytes): rank 2, which rank 0 reaches directly, has it,
+    leaves the save and waits in the next forward's buffer broadcast, while rank 0 is
+    still in the save. Rank 2 takes the broadcast's value from rank 0's post and skips
+    it; rank 0, recovered between steps, learns that a peer is past that start and does
+    the same, as does the replacement (before: rank 0 and the replacement broadcast,
+    rank 2 waited in the step's first bucket, and the run stalled). Bitwise, buffers
+    and sample ids included."""
+    script = ("--batchnorm",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], None, *script, nproc=3)
+    out = tmp_path / "killed"
+    env = {"LOCKSTEP_TEST_KILL": "1:3:save_message"}
+    log = _run(out, FAULTS, ["--live-recovery"], env, *script, nproc=3)
+    lines = [
+        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced during the buffer "
+        "broadcast of step 5, at the start of the step",
+        "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside the save of "
+        "step 3, which was committed already",
+        "[rank 0]: live recovery: a peer is already past the start of the next step",
+    ]
+    for line in lines:
+        assert line in log, (line, log)
+    assert "restart 1" not in log and "not possible" not in log, log
+    assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0", "2.0.0"], log
+    _assert_bitwise(out, oracle, world_size=3)
+    for rank in (0, 1, 2):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ step and its sample ids to OUT/ids/<rank>.<generation>.<restart>. Faults
 STEP, replacements included): WHERE as in `train_live.py`, or "agreement" (before
 the process's first batch: its peers wait in the sampler's agreement), or "save"
 (rank 0 dies between the checkpoint's temporary file and its rename, another rank
-before the save's barrier), or "hang" (stays in forward);
+before the save's barrier), or "save_message" (a rank other than 0, inside rank 0's
+word on the write, its length received: peers that rank 0 reaches directly finish the
+save, the others are still in it), or "hang" (stays in forward);
 LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
 joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
 """
@@ -30,6 +32,7 @@ from torch.utils.data import Dataset
 from train_live import FEATURES, arm_kill
 
 import lockstep
+from lockstep.checkpoint import coordination
 
 SAMPLES, BATCH = 40, 4  # 5 steps per epoch at world size 2
 
@@ -50,6 +53,20 @@ def die() -> None:
 
 
 def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[bool]) -> None:
+    if where.startswith("save"):
+        arm_save_fault(checkpoints, rank, where, when)
+    elif where == "hang":
+
+        def hang(*_: object) -> None:
+            while when[0]:
+                time.sleep(1)
+
+        model[2].register_forward_pre_hook(hang)
+    else:
+        arm_kill(model, optimizer, where, when)
+
+
+def arm_save_fault(checkpoints, rank: int, where: str, when: list[bool]) -> None:
     if where == "save" and rank == 0:  # the writer: temporary file written, not renamed
         checkpoints.files.on_point = lambda point: point == "temp_synced" and when[0] and die()
     elif where == "save":  # a rank that does not write: before the barrier after the write
@@ -61,15 +78,21 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
             barrier(what)
 
         checkpoints._ranks.wait_for_rank0 = dying_barrier
-    elif where == "hang":
+    elif where == "save_message":  # a rank that does not write, inside rank 0's word on
+        finish = coordination._finish  # the write: its length received, not its bytes
 
-        def hang(*_: object) -> None:
-            while when[0]:
-                time.sleep(1)
+        def dying_finish(*args: object) -> None:
+            finish(*args)
+            if when[0] and message[0]:
+                die()
 
-        model[2].register_forward_pre_hook(hang)
-    else:
-        arm_kill(model, optimizer, where, when)
+        message, word = [False], checkpoints._ranks.from_rank0
+
+        def in_message(value: object) -> object:
+            message[0] = True
+            return word(value)
+
+        coordination._finish, checkpoints._ranks.from_rank0 = dying_finish, in_message
 
 
 def planned_fault(rank: int, start: int, generation: int, restart: int) -> tuple[int, str]:

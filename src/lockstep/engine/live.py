@@ -75,7 +75,7 @@ class LiveDDP:
 
     def state(self, recovery: live.Recovery) -> dict[str, Any]:
         reducer = self.ddp.reducer
-        groups, rebuilt, ready = reducer.live_layout(recovery.within_step)
+        groups, rebuilt, ready = reducer.live_layout(recovery)
         steps = reducer.driver.steps
         state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
         state["ready"] = [] if recovery.within_step else ready  # inside a step: its own
@@ -98,6 +98,13 @@ class LiveDDP:
         """A loss met before this process's first forward, recovered as at the start of
         the step (the sampler's agreement, `data/live_agreement.py`)."""
         self.buffers.recovered_before_forward()
+
+    def catch_up(self) -> None:
+        """This rank recovered between steps while a peer was already past the next
+        step's opening broadcasts (`runtime/live.py` `Recovery.opened`): take what they
+        carry instead of running them."""
+        self.ddp.reducer.catch_up_rebuild()
+        self.buffers.catch_up()
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""

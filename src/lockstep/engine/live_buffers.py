@@ -119,6 +119,19 @@ class LiveBuffers:
         live.store().set(POSTED_KEY.format(parity=step % 2), live_wire.pack(value))
 
     # ---------------------------------------------------------- at a recovery
+    def catch_up(self) -> None:
+        """Recovered between steps while a peer is past the next forward's broadcast:
+        take what it carries (rank 0's post) and skip it, as that peer did."""
+        if not self.active() or not self.ddp.require_forward_param_sync:
+            return
+        named = self.named()
+        value = self._broadcast_value(self.ddp.reducer.driver.steps)
+        with torch.no_grad():
+            for name, buffer in named:
+                buffer.copy_(value[name])
+        self._keep(named)
+        self.skip_next = True
+
     def recovered_before_forward(self) -> None:
         """A loss met before this process's first forward, recovered as at the start of
         the step: that step's broadcast carries what every rank holds now (the wrap's or
@@ -159,13 +172,16 @@ class LiveBuffers:
                     "gradients); falling back to the whole-group restart"
                 )
             buffers = self.synced
+        elif recovery.opened:  # between steps, a peer past the next forward's broadcast
+            buffers = self._broadcast_value(steps)
         elif 0 in recovery.replaced:
             buffers = self._broadcast_value(steps)  # what rank 0's next forward broadcasts
         else:
             buffers = self._own()  # the next forward's broadcast overwrites them
+        skip = recovery.within_step or (recovery.opened and ddp.require_forward_param_sync)
         return {
             "buffers": buffers,
-            "skip_first_sync": recovery.within_step,
+            "skip_first_sync": skip,
             "forward_sync": ddp.require_forward_param_sync or recovery.within_step,
         }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from lockstep.runtime.control_device import control_device
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
+
+if TYPE_CHECKING:
+    from lockstep.runtime.live import Recovery
 
 GradHook = Callable[[torch.Tensor], None]
 
@@ -141,7 +145,7 @@ class Reducer:
 
     def rebuild_if_needed(self) -> None:
         """Once, before the second synchronised forward: re-bucket in observed ready order."""
-        if self._rebuilt or len(self._ready_order) != len(self.params):
+        if not self._rebuild_due():
             return
         order = self._ready_order
         if self.world_size > 1 and self.driver.live is None:
@@ -157,14 +161,26 @@ class Reducer:
         self._use_layout(self._groups(order))
         self._rebuilt = True
 
-    def live_layout(self, within_step: bool) -> tuple[list[list[int]], bool, list[int]]:
+    def live_layout(self, recovery: Recovery) -> tuple[list[list[int]], bool, list[int]]:
         """The bucket layout in use, whether the one rebuild happened, and the ready order
         it will use if not (`engine/live.py`). A loss met in the rebuild's broadcast is
-        recovered as at the start of step 2: the layout is then the rebuilt one."""
-        if within_step and self._in_live_rebuild:
+        recovered as at the start of step 2, and a peer may be past it while this rank
+        is between steps (`recovery.opened`): the layout is then the rebuilt one."""
+        if (recovery.within_step and self._in_live_rebuild) or (
+            recovery.opened and not recovery.within_step and self._rebuild_due()
+        ):
             return self._groups(live_rebuild.agreed_order(self._ready_order)), True, []
         groups = [list(g) for g in self.layout.groups]
         return groups, self._rebuilt, [] if self._rebuilt else list(self._ready_order)
+
+    def _rebuild_due(self) -> bool:
+        return not self._rebuilt and len(self._ready_order) == len(self.params)
+
+    def catch_up_rebuild(self) -> None:
+        """Between steps, a peer past the rebuild's broadcast: the order it carried."""
+        if self._rebuild_due():
+            self._use_layout(self._groups(live_rebuild.posted_order()))
+            self._rebuilt = True
 
     def adopt_layout(self, groups: list[list[int]], rebuilt: bool, ready: list[int]) -> None:
         """A live replacement takes a survivor's layout, rebuilt or not (then the order

@@ -15,8 +15,10 @@ far from the script's objects, and a process has one default group to re-form.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -43,10 +45,15 @@ class Recovery:
         within_step: True when the survivors finish an interrupted step with the
             replacement (it resumes at that step); False between two steps (it resumes
             at the next one).
+        opened: a survivor is already at the start of the next step or inside it, past
+            its opening broadcasts (the buffers', the bucket rebuild's), which nobody
+            runs again: survivors between steps and the replacement take what they carry
+            (`catch_up`). Always True within a step.
     """
 
     replaced: tuple[int, ...]
     within_step: bool
+    opened: bool = False
 
 
 class LiveEngine(Protocol):
@@ -60,6 +67,7 @@ class LiveEngine(Protocol):
     def adopt(self, state: dict[str, Any]) -> None: ...
     def regroup(self, group: dist.ProcessGroup) -> None: ...
     def recovered_before_forward(self) -> None: ...
+    def catch_up(self) -> None: ...
 
 
 class StateServer(Protocol):
@@ -213,9 +221,39 @@ def hand_over(replaced: list[int], within_step: bool) -> None:
         replaced: what `rejoin` returned.
         within_step: the survivors run the interrupted step again (`Recovery`).
     """
+    recovery = Recovery(tuple(replaced), within_step, _opened(replaced, within_step))
     server = _live.server or live_plain.PlainServer(_live.engines)
-    server.serve(_donor(replaced), Recovery(tuple(replaced), within_step))
+    server.serve(_donor(replaced), recovery)
+    if recovery.opened and not within_step:
+        for engine in _live.engines:
+            engine.catch_up()
+        print(
+            f"lockstep [rank {dist.get_rank()}]: live recovery: a peer is already past the "
+            "start of the next step: its opening broadcasts are taken from rank 0's posts",
+            file=sys.stderr,
+            flush=True,
+        )
     post_joined()
+
+
+def _opened(replaced: list[int], within_step: bool) -> bool:
+    """Whether any survivor recovers at or inside the step after this rank's finished ones.
+
+    Ranks finish a collective at different moments: in the BatchNorm soak a survivor had
+    rank 0's word on a save and was in the next forward's buffer broadcast while the
+    others were still in the save. Each survivor posts (finished steps, within a step)
+    for this generation and reads everyone's, so all agree on who is ahead.
+    """
+    steps = _live.engines[0].steps if _live.engines else 0
+    key = "lockstep/live/at/gen{generation}/{rank}"
+    mine = key.format(generation=_live.generation, rank=dist.get_rank())
+    store().set(mine, f"{steps} {int(within_step)}")
+    survivors = [r for r in range(dist.get_world_size()) if r not in replaced]
+    keys = [key.format(generation=_live.generation, rank=r) for r in survivors]
+    wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
+    store().wait(keys, timedelta(seconds=wait_s))
+    seen = [tuple(map(int, store().get(k).decode().split())) for k in keys]
+    return within_step or any(within and at == steps for at, within in seen)
 
 
 def generation() -> int:
