@@ -119,7 +119,7 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
     assert re.search(
         r"live recovery not possible: (rank\(s\) \[0\] failed during the live recovery of "
         r"generation 1: )?rank 0 failed in a collective of the script's own \(torch\.distributed"
-        r"\.all_reduce, called at train_live\.py:\d+ \(main\)\), which live recovery does not "
+        r"\.all_reduce, called at train_live\.py:\d+ \(run\)\), which live recovery does not "
         r"run again(, after rank\(s\) \[1\] were lost)?; falling back",
         log,
     ), log
@@ -200,6 +200,34 @@ def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):
     replacement, survivor = _final(tmp_path, 1), _final(tmp_path, 0)
     assert replacement.keys() == survivor.keys()
     assert [k for k in survivor if not torch.equal(replacement[k], survivor[k])] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddps_join_falls_back_inside_and_is_recovered_live_after(tmp_path):
+    """Uneven inputs: the first 3 steps in DDP's Join, rank 1 running 2 (it shadows rank
+    0's third). Rank 0 lost in that third step: the joined rank's shadows are not
+    recovery points, every rank declared so from its first forward inside the context,
+    one line names it and the group restarts. Rank 1 lost at step 5, after the context:
+    recovered live; its replacement takes the Join's configuration, which torch keeps
+    after the context (every forward still notifies it), and skips the notices of the
+    step it resumes in (before: its notice met a survivor's gradient bucket and gloo
+    aborted on the size mismatch). Both end bitwise equal to the uninterrupted run."""
+    script = ("--uneven",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, [], script=script)
+    out = tmp_path / "inside"
+    flags = ["--live-recovery", "--max-restarts", "1"]
+    log = _run(out, flags, kill="0:2:backward", script=script).log()
+    line = "live recovery not possible: rank 0: live recovery does not cover a loss inside DDP's"
+    assert line + " Join (uneven inputs" in log, log
+    assert _processes(out) == ["0.0.0", "0.0.1", "1.0.0", "1.0.1"], log
+    _assert_bitwise(out, oracle)
+    out = tmp_path / "after"
+    log = _run(out, ["--live-recovery"], kill="1:4:backward", script=script).log()
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced; step 5 finished again"
+    _assert_recovered_live(out, log, [line], ["0.0.0", "1.0.0", "1.1.0"])
+    _assert_bitwise(out, oracle)
 
 
 @pytest.mark.slow

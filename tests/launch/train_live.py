@@ -16,7 +16,9 @@ lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` add
 `lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
 between steps; `--trace` a trace too, whose files a barrier in `close()` awaits);
 `--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
-BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward.
+BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
+`--uneven` runs the first 3 steps in DDP's Join, rank 1 one step fewer (it shadows
+rank 0's third), and the others after it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 import lockstep
 
 FEATURES, BATCH = 6, 8
+UNEVEN_STEPS = 3  # `--uneven`: steps 0-2 in DDP's Join, rank 1 running steps 0-1 only
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--own-collective", action="store_true")
     parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--uneven", action="store_true")
     return parser.parse_args()
 
 
@@ -113,7 +117,10 @@ def main() -> None:
     )  # fmt: skip
     torch.manual_seed(100 + ctx.rank)  # each rank its own dropout stream
     ddp = wrap(model, args.engine)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    # Join: a rank out of data skips the optimizer's step, so Adam's state would differ
+    # between the ranks for good; plain SGD's replicas meet again at the post-hook's copy
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05) if args.uneven else None
+    optimizer = sgd or torch.optim.Adam(ddp.parameters(), lr=0.01)
     checkpoints = lockstep.Checkpointer(out / "ckpt", keep=2)
     last = checkpoints.restore(model=ddp, optimizer=optimizer)
     start = 0 if last is None else last + 1
@@ -128,21 +135,28 @@ def main() -> None:
         every = {"log_every": 2, "straggler_every": 2}
         trace = out / "trace" if args.trace else False
         monitor = lockstep.Monitor(ddp, ctx, **every, start_step=start, progress=False, trace=trace)
-    for step in range(start, args.steps):
-        armed[0] = step == kill_step
-        x, y = batch(step, ctx.rank, ctx.world_size)
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        optimizer.step()
-        if monitor is not None:
-            monitor.step(loss, batch_size=BATCH)
-        if args.own_collective:  # the script's own bookkeeping: not a recovery point
-            dist.all_reduce(loss.detach())
-        if (step + 1) % args.save_every == 0:
-            checkpoints.save(step, model=ddp, optimizer=optimizer)
-        print(f"rank {ctx.rank} finished step {step}", flush=True)
-        time.sleep(args.step_sleep)
+
+    def run(steps: range) -> None:
+        for step in steps:
+            armed[0] = step == kill_step
+            x, y = batch(step, ctx.rank, ctx.world_size)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            if monitor is not None:
+                monitor.step(loss, batch_size=BATCH)
+            if args.own_collective:  # the script's own bookkeeping: not a recovery point
+                dist.all_reduce(loss.detach())
+            if (step + 1) % args.save_every == 0:
+                checkpoints.save(step, model=ddp, optimizer=optimizer)
+            print(f"rank {ctx.rank} finished step {step}", flush=True)
+            time.sleep(args.step_sleep)
+
+    if args.uneven and start < UNEVEN_STEPS:  # rank 1 a step fewer; it shadows rank 0's
+        with ddp.join():  # type: ignore[operator]
+            run(range(start, UNEVEN_STEPS - (ctx.rank == 1)))
+    run(range(max(start, UNEVEN_STEPS if args.uneven else 0), args.steps))
     if where == "close" and armed[0]:  # after the last step, before the Monitor's close
         os.kill(os.getpid(), signal.SIGKILL)
     if monitor is not None:

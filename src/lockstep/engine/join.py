@@ -10,7 +10,9 @@ the buffer broadcast, whether this step synchronises, the step fingerprint
 the same strategy, and the vote on unused parameters. Gradients are divided by
 the initial world size, or by the ranks still running when asked. When all
 have joined, `post_hook` copies the last joiner's model to every rank, so the
-result equals torch DDP's.
+result equals torch DDP's. Under live recovery a rank declares itself not
+recoverable from its first forward inside the context to its post-hook: a loss
+meanwhile falls back to the whole-group restart, named in one line.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lockstep.context import DistContext
 from lockstep.engine.reducer import Reducer
+from lockstep.runtime import live
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.replicate import broadcast_tensors
+
+LIVE_REFUSAL = (
+    "live recovery does not cover a loss inside DDP's Join (uneven inputs: the joined "
+    "ranks' shadow collectives and their buffer broadcast's owner are not recovered)"
+)
 
 
 class JoinTarget(Protocol):
@@ -39,6 +47,8 @@ class JoinTarget(Protocol):
     forward_sync_buffers: bool
     divide_by_initial_world_size: bool
     join_announcement: Any
+    join_open: bool  # between a Join's making and its post-hook (live recovery refuses)
+    join_resumed: bool  # a live replacement resuming inside a step: skip its notices once
 
     def will_sync_module_buffers(self) -> bool: ...
     def sync_buffers(self, src_rank: int) -> None: ...
@@ -87,6 +97,10 @@ def common_rank(ddp: JoinTarget, candidate: bool) -> int:
 
 def before_forward(ddp: JoinTarget) -> None:
     """A rank with data: tell the Join context, and set this step's divisor if asked."""
+    if getattr(ddp, "join_open", False):  # torch keeps notifying after the context ends
+        live.hold_refusal(LIVE_REFUSAL)  # until the post-hook: shadows are not recovered
+    if getattr(ddp, "join_resumed", False):  # a live replacement inside a step: its peers
+        return  # notified already (`engine/live.py`); `announce_sync` ends the skip
     work = Join.notify_join_context(ddp)
     if work is None:
         return
@@ -97,6 +111,9 @@ def before_forward(ddp: JoinTarget) -> None:
 
 def announce_sync(ddp: JoinTarget) -> None:
     """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
+    if getattr(ddp, "join_resumed", False):
+        ddp.join_resumed = False
+        return
     device = control_device(ddp.process_group)
     flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0], device=device)
     ddp.join_announcement = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
@@ -108,6 +125,7 @@ class DDPJoinHook(JoinHook):
     def __init__(self, ddp: JoinTarget, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp.divide_by_initial_world_size = divide_by_initial_world_size
+        ddp.join_open = True  # a context was made; its post-hook closes it
 
     def main_hook(self) -> None:
         ddp = self.ddp
@@ -132,6 +150,8 @@ class DDPJoinHook(JoinHook):
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
         ddp.reducer.driver.steps = int(steps.item())
         ddp.reducer.average_over(ddp.ctx.world_size)
+        ddp.join_open = False
+        live.release_refusal(LIVE_REFUSAL)
 
 
 def shadow_backward(ddp: JoinTarget) -> None:

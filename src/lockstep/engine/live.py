@@ -2,8 +2,9 @@
 
 A survivor hands a replacement what the engine itself decided during the run and the
 script cannot recompute: the synchronised step count (the step fingerprint's number),
-the bucket layout after the one rebuild, and with buffers broadcast at every forward,
-the buffers the replacement starts from (`engine/live_buffers.py`). After a survivor
+the bucket layout after the one rebuild, the configuration a past `Join` left (torch
+keeps it: every later forward notifies the context), and with buffers broadcast at
+every forward, the buffers the replacement starts from (`engine/live_buffers.py`). After a survivor
 re-forms the default group, every reference the engine holds to the old one is
 replaced (`regroup`).
 Modes that keep more state, or run collectives the replacement cannot match at its
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
 
 from lockstep.engine.live_buffers import LiveBuffers
 from lockstep.runtime import live
@@ -81,6 +83,14 @@ class LiveDDP:
         state["ready"] = [] if recovery.within_step else ready  # inside a step: its own
         if self.buffers.active():
             state["buffers"] = self.buffers.state(recovery)
+        join = self.ddp._join_config  # torch keeps a Join's config after the context ends:
+        state["join"] = {  # each forward then notifies it, and the replacement must too
+            "enable": join.enable,
+            "throw_on_early_termination": join.throw_on_early_termination,
+            "is_first_joinable": join.is_first_joinable,
+            "divide": self.ddp.divide_by_initial_world_size,
+            "resumed": recovery.opened,  # the survivors sent this step's notices already
+        }
         return state
 
     def adopt(self, state: dict[str, Any]) -> None:
@@ -93,6 +103,10 @@ class LiveDDP:
             reducer.driver.data_passes.adopt(self.passes, state.get("continues", True))
         if "buffers" in state:  # after the steps: the kept copy is labelled with them
             self.buffers.adopt(state["buffers"])
+        join = dict(state["join"])
+        self.ddp.divide_by_initial_world_size = join.pop("divide")
+        self.ddp.join_resumed = join.pop("resumed") and join["enable"]
+        self.ddp._join_config = _JoinConfig(**join)
 
     def recovered_before_forward(self) -> None:
         """A loss met before this process's first forward, recovered as at the start of

@@ -136,6 +136,19 @@ def register_refusal(reason: str) -> None:
     declare()
 
 
+def hold_refusal(reason: str) -> None:
+    """A refusal while a mode lasts (DDP's Join): declared now, until `release_refusal`."""
+    if enabled() and reason not in _live.refusals:
+        _live.refusals.append(reason)
+        declare()
+
+
+def release_refusal(reason: str) -> None:
+    if reason in _live.refusals:
+        _live.refusals.remove(reason)
+        declare()
+
+
 def server() -> StateServer | None:
     return _live.server
 
