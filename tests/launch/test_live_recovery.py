@@ -162,20 +162,24 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live(tmp_path):
-    """Three ranks; rank 1 dies as its second forward starts, before the bucket rebuild's
-    broadcast of rank 0's ready order. gloo's broadcast delivers to rank 2 directly:
-    rank 2 has the order and is inside step 2's backward, while rank 0 still waits on
-    its send to rank 1. Rank 0 takes the order from its own post, nobody broadcasts it
-    again, the replacement adopts the rebuilt layout (run again, the broadcast met
-    rank 2's gradient bucket: gloo aborted on the size mismatch)."""
+    """Three ranks, BatchNorm; rank 1 dies as its second forward starts, before the bucket
+    rebuild's broadcast of rank 0's ready order. gloo's broadcast delivers to rank 2
+    directly: rank 2 has the order and waits in the same forward's buffer broadcast,
+    while rank 0 still waits on its send to rank 1. Rank 0 takes the order from its own
+    post and the buffers from its buffer post, nobody broadcasts either again, and the
+    replacement adopts the rebuilt layout and those buffers (run again, the rebuild's
+    broadcast met rank 2's next collective: gloo aborted on the size mismatch; without
+    the buffers' part, rank 0 found none to hand over and the group restarted)."""
+    script = ("--batchnorm",)
     oracle = tmp_path / "uninterrupted"
-    _run(oracle, [], nproc=3)
+    _run(oracle, [], script=script, nproc=3)
     out = tmp_path / "killed"
-    log = _run(out, ["--live-recovery"], kill="1:1:wrapper", nproc=3).log()
+    log = _run(out, ["--live-recovery"], kill="1:1:wrapper", script=script, nproc=3).log()
     lines = [
         "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the bucket "
         "rebuild's broadcast before step 2, at the start of the step",
-        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced; step 2 finished again",
+        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced during the buffer "
+        "broadcast of step 2, at the start of the step",
     ]
     _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
     _assert_bitwise(out, oracle, world_size=3)

@@ -11,8 +11,9 @@ the same strategy, and the vote on unused parameters. Gradients are divided by
 the initial world size, or by the ranks still running when asked. When all
 have joined, `post_hook` copies the last joiner's model to every rank, so the
 result equals torch DDP's. Under live recovery a rank declares itself not
-recoverable from its first forward inside the context to its post-hook: a loss
-meanwhile falls back to the whole-group restart, named in one line.
+recoverable from the context's making to its post-hook (a context made with
+`enable=False` has none: the refusal then stays): a loss meanwhile falls back to
+the whole-group restart, named in one line.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class JoinTarget(Protocol):
     forward_sync_buffers: bool
     divide_by_initial_world_size: bool
     join_announcement: Any
-    join_open: bool  # between a Join's making and its post-hook (live recovery refuses)
     join_resumed: bool  # a live replacement resuming inside a step: skip its notices once
 
     def will_sync_module_buffers(self) -> bool: ...
@@ -97,8 +97,6 @@ def common_rank(ddp: JoinTarget, candidate: bool) -> int:
 
 def before_forward(ddp: JoinTarget) -> None:
     """A rank with data: tell the Join context, and set this step's divisor if asked."""
-    if getattr(ddp, "join_open", False):  # torch keeps notifying after the context ends
-        live.hold_refusal(LIVE_REFUSAL)  # until the post-hook: shadows are not recovered
     if getattr(ddp, "join_resumed", False):  # a live replacement inside a step: its peers
         return  # notified already (`engine/live.py`); `announce_sync` ends the skip
     work = Join.notify_join_context(ddp)
@@ -125,7 +123,7 @@ class DDPJoinHook(JoinHook):
     def __init__(self, ddp: JoinTarget, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp.divide_by_initial_world_size = divide_by_initial_world_size
-        ddp.join_open = True  # a context was made; its post-hook closes it
+        live.hold_refusal(LIVE_REFUSAL)  # until the post-hook: shadows are not recovered
 
     def main_hook(self) -> None:
         ddp = self.ddp
@@ -150,7 +148,6 @@ class DDPJoinHook(JoinHook):
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
         ddp.reducer.driver.steps = int(steps.item())
         ddp.reducer.average_over(ddp.ctx.world_size)
-        ddp.join_open = False
         live.release_refusal(LIVE_REFUSAL)
 
 

@@ -13,6 +13,8 @@ first step, are refused with the reason, and the launcher restarts the group ins
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -118,7 +120,24 @@ class LiveDDP:
         step's opening broadcasts (`runtime/live.py` `Recovery.opened`): take what they
         carry instead of running them."""
         self.ddp.reducer.catch_up_rebuild()
+        self.skip_opening()
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """This rank is in its forward's first collective, the bucket rebuild's broadcast
+        before the buffers': a hand-over meanwhile gives what the buffer broadcast carries."""
+        self.buffers.in_broadcast = True
+        try:
+            yield
+        finally:
+            self.buffers.in_broadcast = False
+
+    def skip_opening(self) -> None:
+        """Recovered as at the start of a step before the forward's buffer broadcast and
+        Join's notices: take what the broadcast carries, send no notice in that forward
+        (peers past them sent theirs on the group now gone, and nobody shadows them)."""
         self.buffers.catch_up()
+        self.ddp.join_resumed = self.ddp._join_config.enable
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""

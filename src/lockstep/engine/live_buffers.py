@@ -80,6 +80,7 @@ class LiveBuffers:
             with torch.no_grad():
                 for name, buffer in named:
                     buffer.copy_(value[name])
+            self.ddp.join_resumed = self.ddp._join_config.enable  # no notice this forward
         self._keep(named)
 
     def _broadcast(self, buffers: list[torch.Tensor], src_rank: int) -> bool:

@@ -13,11 +13,15 @@ broadcast's is (`engine/live_buffers.py`), and nobody broadcasts the order again
 - rank 0 lost before it posted: then no rank has the order, and the donor, itself
   in the broadcast, posts its own observed order while it hands over (the same as
   rank 0's unless the ranks' graphs differ);
-- the replacement adopts the rebuilt layout and never runs the rebuild.
+- the replacement adopts the rebuilt layout and never runs the rebuild;
+- with buffers broadcast at every forward, that broadcast comes next in the same
+  forward: a hand-over meanwhile gives what it carries, and a rank recovered here
+  takes that too and skips it (`engine/live.py` `opening`, `skip_opening`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -48,8 +52,14 @@ def broadcast_order(order: torch.Tensor, root: int, group: dist.ProcessGroup | N
     if dist.get_rank() == root:
         live.store().set(_key(), live_wire.pack(order.tolist()))
     work = dist.broadcast(order, root, group=group, async_op=True)
-    if between_steps(work, WHAT, within_step=True):
-        return order.tolist()
+    engines = live.engines()
+    with contextlib.ExitStack() as opening:
+        for engine in engines:
+            opening.enter_context(engine.opening())
+        if between_steps(work, WHAT, within_step=True):
+            return order.tolist()
+    for engine in engines:  # its buffer broadcast and Join's notices: not run, taken
+        engine.skip_opening()
     return posted_order()
 
 

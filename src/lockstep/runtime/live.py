@@ -15,10 +15,10 @@ far from the script's objects, and a process has one default group to re-form.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lockstep import regroup
 from lockstep.env import read_seconds, read_timeout
-from lockstep.runtime import live_plain, waits
+from lockstep.runtime import live_opened, live_plain, waits
 
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
 DEFAULT_ANNOUNCE_WAIT_S = 30.0
@@ -48,7 +48,7 @@ class Recovery:
         opened: a survivor is already at the start of the next step or inside it, past
             its opening broadcasts (the buffers', the bucket rebuild's), which nobody
             runs again: survivors between steps and the replacement take what they carry
-            (`catch_up`). Always True within a step.
+            (`catch_up`; `runtime/live_opened.py`). Always True within a step.
     """
 
     replaced: tuple[int, ...]
@@ -68,6 +68,8 @@ class LiveEngine(Protocol):
     def regroup(self, group: dist.ProcessGroup) -> None: ...
     def recovered_before_forward(self) -> None: ...
     def catch_up(self) -> None: ...
+    def opening(self) -> contextlib.AbstractContextManager[None]: ...
+    def skip_opening(self) -> None: ...
 
 
 class StateServer(Protocol):
@@ -138,7 +140,7 @@ def register_refusal(reason: str) -> None:
 
 def hold_refusal(reason: str) -> None:
     """A refusal while a mode lasts (DDP's Join): declared now, until `release_refusal`."""
-    if enabled() and reason not in _live.refusals:
+    if reason not in _live.refusals and enabled():
         _live.refusals.append(reason)
         declare()
 
@@ -234,7 +236,10 @@ def hand_over(replaced: list[int], within_step: bool) -> None:
         replaced: what `rejoin` returned.
         within_step: the survivors run the interrupted step again (`Recovery`).
     """
-    recovery = Recovery(tuple(replaced), within_step, _opened(replaced, within_step))
+    steps = _live.engines[0].steps if _live.engines else 0
+    wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
+    opened = live_opened.opened(store(), _live.generation, steps, replaced, within_step, wait_s)
+    recovery = Recovery(tuple(replaced), within_step, opened)
     server = _live.server or live_plain.PlainServer(_live.engines)
     server.serve(_donor(replaced), recovery)
     if recovery.opened and not within_step:
@@ -247,26 +252,6 @@ def hand_over(replaced: list[int], within_step: bool) -> None:
             flush=True,
         )
     post_joined()
-
-
-def _opened(replaced: list[int], within_step: bool) -> bool:
-    """Whether any survivor recovers at or inside the step after this rank's finished ones.
-
-    Ranks finish a collective at different moments: in the BatchNorm soak a survivor had
-    rank 0's word on a save and was in the next forward's buffer broadcast while the
-    others were still in the save. Each survivor posts (finished steps, within a step)
-    for this generation and reads everyone's, so all agree on who is ahead.
-    """
-    steps = _live.engines[0].steps if _live.engines else 0
-    key = "lockstep/live/at/gen{generation}/{rank}"
-    mine = key.format(generation=_live.generation, rank=dist.get_rank())
-    store().set(mine, f"{steps} {int(within_step)}")
-    survivors = [r for r in range(dist.get_world_size()) if r not in replaced]
-    keys = [key.format(generation=_live.generation, rank=r) for r in survivors]
-    wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
-    store().wait(keys, timedelta(seconds=wait_s))
-    seen = [tuple(map(int, store().get(k).decode().split())) for k in keys]
-    return within_step or any(within and at == steps for at, within in seen)
 
 
 def generation() -> int:
