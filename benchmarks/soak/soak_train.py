@@ -77,7 +77,11 @@ def pause_in_backward(model: nn.Module, out: Path, rank: int) -> None:
     flag = out / "pause_in_backward"
 
     def on_grad(grad: torch.Tensor) -> None:
-        if flag.exists() and flag.read_text().strip() == str(rank):
+        try:  # every rank looks; the one named removes it, maybe between another's two looks
+            named = flag.read_text().strip()
+        except FileNotFoundError:
+            return
+        if named == str(rank):
             flag.unlink(missing_ok=True)
             write_atomically(out / "in_backward", str(os.getpid()))
             time.sleep(5)
