@@ -27,20 +27,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lockstep.env import read_variable
 from lockstep.errors import LockstepError
 from lockstep.runtime import live, live_wire
 from lockstep.runtime.live_between import between_steps
 
 WHAT = "the data's agreement before the first batch"
-POSTED_KEY = "lockstep/live/data_statement/{restart}/{rank}"
 
 Statement = dict[str, int | None]
 
 
 def _key(rank: int) -> str:
-    restart = read_variable("TORCHELASTIC_RESTART_COUNT") or "0"
-    return POSTED_KEY.format(restart=restart, rank=rank)
+    return live.round_key(f"data_statement/{rank}")
 
 
 def gather(statement: Statement, settle: Callable[[Statement], None]) -> list[Statement]:
@@ -94,7 +91,7 @@ def _all_gather(data: bytes, recovered: Callable[[list[int]], None]) -> list[byt
 def _posted(replaced: list[int]) -> tuple[int, Statement]:
     """(rank, statement): rank 0's post, or the donor's when rank 0 was lost before it."""
     store = live.store()
-    donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
+    donor = live.donor_of(replaced)
     for rank in (0, donor):
         if store.check([_key(rank)]):
             return rank, live_wire.unpack(store.get(_key(rank)))

@@ -49,6 +49,7 @@ class JoinTarget(Protocol):
     divide_by_initial_world_size: bool
     join_announcement: Any
     join_resumed: bool  # a live replacement resuming inside a step: skip its notices once
+    _join_config: Any  # torch's, set by Join and kept after the context
 
     def will_sync_module_buffers(self) -> bool: ...
     def sync_buffers(self, src_rank: int) -> None: ...
@@ -105,6 +106,12 @@ def before_forward(ddp: JoinTarget) -> None:
     if not ddp.divide_by_initial_world_size:
         work.wait()
         ddp.reducer.average_over(int(work.result()[0].item()))
+
+
+def skip_next_notices(ddp: JoinTarget) -> None:
+    """This rank's next notices (one forward's) are not sent: under live recovery, its
+    peers sent theirs on a group now gone, and no rank shadows them after the context."""
+    ddp.join_resumed = ddp._join_config.enable
 
 
 def announce_sync(ddp: JoinTarget) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
 
+from lockstep.engine import join
 from lockstep.engine.live_buffers import LiveBuffers
 from lockstep.runtime import live
 from lockstep.runtime.transport import NATIVE
@@ -85,11 +86,11 @@ class LiveDDP:
         state["ready"] = [] if recovery.within_step else ready  # inside a step: its own
         if self.buffers.active():
             state["buffers"] = self.buffers.state(recovery)
-        join = self.ddp._join_config  # torch keeps a Join's config after the context ends:
+        config = self.ddp._join_config  # torch keeps a Join's config after the context:
         state["join"] = {  # each forward then notifies it, and the replacement must too
-            "enable": join.enable,
-            "throw_on_early_termination": join.throw_on_early_termination,
-            "is_first_joinable": join.is_first_joinable,
+            "enable": config.enable,
+            "throw_on_early_termination": config.throw_on_early_termination,
+            "is_first_joinable": config.is_first_joinable,
             "divide": self.ddp.divide_by_initial_world_size,
             "resumed": recovery.opened,  # the survivors sent this step's notices already
         }
@@ -105,10 +106,10 @@ class LiveDDP:
             reducer.driver.data_passes.adopt(self.passes, state.get("continues", True))
         if "buffers" in state:  # after the steps: the kept copy is labelled with them
             self.buffers.adopt(state["buffers"])
-        join = dict(state["join"])
-        self.ddp.divide_by_initial_world_size = join.pop("divide")
-        self.ddp.join_resumed = join.pop("resumed") and join["enable"]
-        self.ddp._join_config = _JoinConfig(**join)
+        config = dict(state["join"])
+        self.ddp.divide_by_initial_world_size = config.pop("divide")
+        self.ddp.join_resumed = config.pop("resumed") and config["enable"]
+        self.ddp._join_config = _JoinConfig(**config)
 
     def recovered_before_forward(self) -> None:
         """A loss met before this process's first forward, recovered as at the start of
@@ -137,7 +138,7 @@ class LiveDDP:
         Join's notices: take what the broadcast carries, send no notice in that forward
         (peers past them sent theirs on the group now gone, and nobody shadows them)."""
         self.buffers.catch_up()
-        self.ddp.join_resumed = self.ddp._join_config.enable
+        join.skip_next_notices(self.ddp)
 
     def regroup(self, group: dist.ProcessGroup) -> None:
         """Point every reference to the old default group at `group`."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.engine import join
 from lockstep.errors import LockstepError
 from lockstep.runtime import live, live_wire
 from lockstep.runtime.live_between import between_steps
@@ -76,11 +77,8 @@ class LiveBuffers:
         finally:
             self.in_broadcast = False
         if not done:  # recovered: the state went over as for this step, now the value
-            value = self._broadcast_value(self.ddp.reducer.driver.steps)
-            with torch.no_grad():
-                for name, buffer in named:
-                    buffer.copy_(value[name])
-            self.ddp.join_resumed = self.ddp._join_config.enable  # no notice this forward
+            self._take_posted(named)
+            join.skip_next_notices(self.ddp)  # this forward's: nobody sends them again
         self._keep(named)
 
     def _broadcast(self, buffers: list[torch.Tensor], src_rank: int) -> bool:
@@ -126,10 +124,7 @@ class LiveBuffers:
         if not self.active() or not self.ddp.require_forward_param_sync:
             return
         named = self.named()
-        value = self._broadcast_value(self.ddp.reducer.driver.steps)
-        with torch.no_grad():
-            for name, buffer in named:
-                buffer.copy_(value[name])
+        self._take_posted(named)
         self._keep(named)
         self.skip_next = True
 
@@ -185,6 +180,13 @@ class LiveBuffers:
             "skip_first_sync": skip,
             "forward_sync": ddp.require_forward_param_sync or recovery.within_step,
         }
+
+    def _take_posted(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy in what the forward's broadcast carries after the steps finished now."""
+        value = self._broadcast_value(self.ddp.reducer.driver.steps)
+        with torch.no_grad():
+            for name, buffer in named:
+                buffer.copy_(value[name])
 
     def _broadcast_value(self, steps: int) -> dict[str, torch.Tensor]:
         """What a forward's broadcast after `steps` finished steps carries: rank 0's

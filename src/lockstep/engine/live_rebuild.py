@@ -27,18 +27,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lockstep.env import read_variable
 from lockstep.errors import LockstepError
 from lockstep.runtime import live, live_wire
 from lockstep.runtime.live_between import between_steps
 
 WHAT = "the bucket rebuild's broadcast before step 2"
-POSTED_KEY = "lockstep/live/rebuild_order/{restart}"  # one rebuild per process lifetime
 POST_WAIT_S = 30.0
 
 
 def _key() -> str:
-    return POSTED_KEY.format(restart=read_variable("TORCHELASTIC_RESTART_COUNT") or "0")
+    return live.round_key("rebuild_order")  # one rebuild per process lifetime
 
 
 def broadcast_order(order: torch.Tensor, root: int, group: dist.ProcessGroup | None) -> list[int]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep import regroup
-from lockstep.env import read_seconds, read_timeout
+from lockstep.env import read_seconds, read_timeout, read_variable
 from lockstep.runtime import live_opened, live_plain, waits
 
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
@@ -126,7 +126,7 @@ def register_engine(engine: LiveEngine) -> None:
     _live.engines.append(engine)
     if _live.pending is not None and len(_live.pending) == len(_live.engines):
         engine.adopt(_live.pending[-1])
-    elif joining() and live_plain.donor_is_plain(store(), donor := _donor()):
+    elif joining() and live_plain.donor_is_plain(store(), donor := donor_of()):
         adopt_received(live_plain.receive(engine.module, donor))  # no restore() will come
         post_joined()
     declare()
@@ -202,7 +202,7 @@ def adopt_received(states: list[dict[str, Any]]) -> None:
         engine.adopt(state)
 
 
-def _donor(replaced: list[int] | None = None) -> int:
+def donor_of(replaced: list[int] | None = None) -> int:
     """The lowest surviving rank, which sends the state."""
     if replaced is None:
         _, replaced = regroup.read_announcement(store())
@@ -241,7 +241,7 @@ def hand_over(replaced: list[int], within_step: bool) -> None:
     opened = live_opened.opened(store(), _live.generation, steps, replaced, within_step, wait_s)
     recovery = Recovery(tuple(replaced), within_step, opened)
     server = _live.server or live_plain.PlainServer(_live.engines)
-    server.serve(_donor(replaced), recovery)
+    server.serve(donor_of(replaced), recovery)
     if recovery.opened and not within_step:
         for engine in _live.engines:
             engine.catch_up()
@@ -252,6 +252,11 @@ def hand_over(replaced: list[int], within_step: bool) -> None:
             flush=True,
         )
     post_joined()
+
+
+def round_key(name: str) -> str:
+    """A store key of this rendezvous round (the launcher's store outlives a restart)."""
+    return f"lockstep/live/round{read_variable('TORCHELASTIC_RESTART_COUNT') or '0'}/{name}"
 
 
 def generation() -> int:
