@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 tests/gpu/gpu_check.py            # a GPU machine's own python
     PYTHONPATH=src python3 tests/gpu/gpu_check.py --smoke    # benchmarks at tiny sizes
+    PYTHONPATH=src python3 tests/gpu/gpu_check.py --out DIR  # keep junit.xml and the JSON
 
 Nothing is installed or fetched: it needs torch, and pytest for the tests (without
 pytest the tests' row says so and the benchmarks still run). Without a CUDA device
@@ -78,7 +79,7 @@ def run_tests(out_dir: Path) -> list[tuple[str, str, str]]:
     xml = out_dir / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
     cmd += [f"--junitxml={xml}", "-o", "addopts="]
-    code, tail = _run(cmd, LIMITS_S["tests"])
+    code, tail = _run(cmd, LIMITS_S["tests"], log=out_dir / "tests.log")
     if not xml.exists():
         return [("tests", f"no report (exit {code})", tail)]
     return summarise_junit(xml.read_text())
@@ -87,20 +88,23 @@ def run_tests(out_dir: Path) -> list[tuple[str, str, str]]:
 def run_benchmark(name: str, smoke: bool, out_dir: Path) -> tuple[dict | None, str]:
     target = out_dir / f"{name}.json"
     cmd = [sys.executable, f"benchmarks/{name}.py", "--json", str(target)]
-    code, tail = _run(cmd + (["--smoke"] if smoke else []), LIMITS_S[name])
+    code, tail = _run(cmd + (["--smoke"] if smoke else []), LIMITS_S[name], out_dir / f"{name}.log")
     if code != 0 or not target.exists():
         return None, f"exit {code}: {tail}"
     return json.loads(target.read_text()), ""
 
 
-def _run(cmd: list[str], limit_s: float) -> tuple[int | str, str]:
+def _run(cmd: list[str], limit_s: float, log: Path) -> tuple[int | str, str]:
+    """Run one part under its time limit; its whole output goes to `log`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     try:
         done = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s, check=False
         )
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as stopped:
+        log.write_text(str(stopped.stdout or "") + str(stopped.stderr or ""))
         return "timeout", f"stopped after {limit_s:.0f} s"
+    log.write_text(done.stdout + done.stderr)
     text = (done.stdout + done.stderr).strip().splitlines()
     return done.returncode, " | ".join(text[-3:])[:300]
 
@@ -158,6 +162,7 @@ def render(rows: list[tuple[str, str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="benchmarks at tiny sizes")
+    parser.add_argument("--out", type=Path, help="keep the junit report and benchmark JSON here")
     args = parser.parse_args(argv)
     import torch
 
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     rows = environment_rows()
     with tempfile.TemporaryDirectory(prefix="lockstep-gpu-check-") as tmp:
-        out = Path(tmp)
+        out = args.out or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         rows += run_tests(out)
         speed, speed_error = run_benchmark("gpu_vs_torch", smoke, out)
         memory, memory_error = run_benchmark("gpu_memory", smoke, out)
