@@ -8,7 +8,7 @@ In live mode each rank keeps a copy of every bucket's local gradients when it
 launches it (`LiveSteps.keep`: one clone, one more gradient-sized buffer) and posts
 its random-number state to the launcher's store after each step; with `--batchnorm`
 each broadcast's buffers are copied, and rank 0 posts its buffers to the store after
-each forward (`engine/live_buffers.py`). One node x 2,
+each forward (`live/buffers.py`). One node x 2,
 `lockstep run` of benchmarks/live_cost_worker.py, the two settings alternating
 (off/on, then on/off) for `--rounds` rounds per width. Reported: rank 0's median
 step over all rounds (the first 5 steps of each run left out), the ratio on / off,

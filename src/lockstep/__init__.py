@@ -9,7 +9,7 @@ from lockstep.env import read_variable as _read_variable
 from lockstep.errors import LockstepError
 from lockstep.observe.monitor import Monitor
 from lockstep.sharded import FSDP, MixedPrecisionPolicy, ShardedDataParallel
-from lockstep.trace_hook import attach_env_tracer  # noqa: F401  (LOCKSTEP_TRACE)
+from lockstep.observe.trace_hook import attach_env_tracer  # noqa: F401  (LOCKSTEP_TRACE)
 
 if _read_variable("LOCKSTEP_ENGINE"):  # torch's DDP builds lockstep's engine: docs/frameworks.md
     from lockstep.adopt import install_from_env

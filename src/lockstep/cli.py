@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from lockstep.bench import cli as bench_cli
-from lockstep.launch import cli as run_cli
+from lockstep.launch.cli import parser as run_cli
 from lockstep.observe import cli as trace_cli
 from lockstep.plan import cli as plan_cli
 

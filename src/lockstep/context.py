@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
-from lockstep.regroup import join, start_generation, worker_store
+from lockstep.live.group import join, start_generation, worker_store
 from lockstep.teardown import install as _pin_groups
 
 # Before any group exists: groups are pinned and end at a known point at exit

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.elastic.agent.server.api import Worker
 
 import lockstep
-from lockstep.launch.stall import StallWatch
+from lockstep.launch.watches.stall import StallWatch
 from lockstep.runtime import progress, waits
 from lockstep.runtime.progress import Phase, Progress
 from lockstep.testing import run_ranks

@@ -22,7 +22,7 @@ from test_live_recovery import _assert_bitwise, _assert_recovered_live, _process
 from train_live_faults import BATCH, SAMPLES
 
 from lockstep.checkpoint.files import CheckpointFiles
-from lockstep.launch.cli import add_parser, run_config
+from lockstep.launch.cli.parser import add_parser, run_config
 
 HERE = Path(__file__).parent
 FAULTS, PLAIN = str(HERE / "train_live_faults.py"), str(HERE / "train_live_plain.py")

@@ -20,10 +20,10 @@ import pytest
 from launchkit import Launcher, node_args, wait_all
 from test_live_recovery import _assert_bitwise, _processes
 
-from lockstep import regroup
-from lockstep.launch import generations
-from lockstep.launch.cli import add_parser, run_config
-from lockstep.launch.store import host
+from lockstep.live import group as regroup
+from lockstep.launch.recovery import generations
+from lockstep.launch.cli.parser import add_parser, run_config
+from lockstep.launch.rendezvous.store import host
 from lockstep.testing.netns import Host, kill_inside
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))

@@ -22,7 +22,7 @@ import pytest
 from launchkit import Launcher
 from test_live_recovery import SCRIPT, _assert_bitwise, _run
 
-from lockstep.launch.cli import add_parser, run_config
+from lockstep.launch.cli.parser import add_parser, run_config
 
 STARTED = re.compile(r"spare pid (\d+) started")
 GONE_S = 15.0

@@ -16,7 +16,7 @@ import pytest
 from launchkit import TRAIN, Launcher, live_workers, wait_for
 
 from lockstep import cli
-from lockstep.launch.cli import run_config
+from lockstep.launch.cli.parser import run_config
 
 
 def _error(capsys, argv: list[str]) -> str:

@@ -4,14 +4,14 @@ A replacement resumes inside its peers' epoch or at the start of the next one; i
 count of data passes (the step fingerprint's uneven-data check) must then match
 theirs (`runtime/data_passes.py`), and the sampler state sent is the one copied at the
 last step's end, not the one a loader that has already handed out the next batch holds
-(`checkpoint/live_sampler.py`).
+(`live/sampler.py`).
 """
 
 from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from lockstep.checkpoint.live_sampler import SamplerPlace, continues
+from lockstep.live.sampler import SamplerPlace, continues
 from lockstep.data.sampler import ShardedSampler
 from lockstep.runtime.data_passes import DataPasses
 

@@ -12,7 +12,7 @@ import importlib
 
 import torch.distributed as dist
 
-import lockstep.torch_compat as torch_compat
+import lockstep.collectives.torch_compat as torch_compat
 from lockstep.testing import torch_features
 
 TORCH_2_11_DDP = frozenset(

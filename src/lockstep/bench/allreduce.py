@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lockstep.bench.allreduce_worker import add_sweep_flags, sweep_options
-from lockstep.launch.config import add_nproc_flag
+from lockstep.launch.cli.config import add_nproc_flag
 
 WORKER = "lockstep.bench.allreduce_worker"
 
@@ -42,7 +42,7 @@ def worker_argv(ns: argparse.Namespace) -> list[str]:
 
 def main(ns: argparse.Namespace) -> int:
     from lockstep.launch import RunConfig, run
-    from lockstep.launch.config import parse_nproc
+    from lockstep.launch.cli.config import parse_nproc
 
     sweep_options(ns)  # raises ValueError on bad flags before anything starts
     cfg = RunConfig(

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from enum import Enum
 
-from lockstep.launch.config import add_nproc_flag
+from lockstep.launch.cli.config import add_nproc_flag
 from lockstep.plan.units import parse_bytes
 
 WORKER = "lockstep.bench.collectives_worker"
@@ -165,7 +165,7 @@ def worker_argv(ns: argparse.Namespace) -> list[str]:
 
 def main(ns: argparse.Namespace) -> int:
     from lockstep.launch import RunConfig, run
-    from lockstep.launch.config import parse_nproc
+    from lockstep.launch.cli.config import parse_nproc
 
     opts = bench_options(ns)  # raises ValueError on bad flags before anything starts
     nproc = parse_nproc(ns.nproc_per_node)

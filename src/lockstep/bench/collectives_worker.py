@@ -25,7 +25,7 @@ from lockstep import collectives as lc
 from lockstep.bench.collectives import BenchOptions, Collective, add_bench_flags, bench_options
 from lockstep.bench.collectives import bus_factor as _bus_factor
 from lockstep.bench.timing import per_call_seconds
-from lockstep.torch_compat import all_gather_single, reduce_scatter_single
+from lockstep.collectives.torch_compat import all_gather_single, reduce_scatter_single
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -19,8 +19,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.checkpoint import live as live_state
-from lockstep.checkpoint import live_save, rng
+from lockstep.live import checkpoint as live_state
+from lockstep.checkpoint import rng
+from lockstep.live import save as live_save
 from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
@@ -29,7 +30,8 @@ from lockstep.checkpoint.state import build_payload, device_of, load_component, 
 from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
-from lockstep.runtime import live, progress
+from lockstep.runtime import progress
+from lockstep.live import registry as live
 from lockstep.sharded.engine import ShardedDataParallel
 
 DCP_REFUSAL = 'Checkpointer(format="dcp") is not handed over live; use the default format'
@@ -119,7 +121,7 @@ class Checkpointer:
                 live_state.saved(step)  # the live count of finished steps must agree
             if self._dcp is not None:
                 return self._dcp.save(step, components, extra)
-            if live.enabled():  # a rank lost inside the save: `checkpoint/live_save.py`
+            if live.enabled():  # a rank lost inside the save: `live/save.py`
                 return live_save.save(self, step, components, extra)
             return self._save(step, components, extra)
 

@@ -15,7 +15,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from lockstep.agreement import differing_ranks, gather_from_ranks
+from lockstep.collectives.agreement import differing_ranks, gather_from_ranks
 from lockstep.collectives._p2p import Group, ReduceOp, Workspace
 from lockstep.collectives.allreduce import (
     all_reduce_halving_doubling,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from lockstep.agreement import gather_from_ranks
+from lockstep.collectives.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
 
 
@@ -52,7 +52,7 @@ def check_data_agreement(
         shared: further fields that are gathered but not compared (such as a random seed
             that every rank then takes from rank 0).
         gather: how the statements are gathered (live recovery's interruptible gather,
-            `data/live_agreement.py`); `gather_statements` over `process_group` if None.
+            `live/agreement.py`); `gather_statements` over `process_group` if None.
 
     Returns:
         Every rank's statement and shared fields together, indexed by rank.

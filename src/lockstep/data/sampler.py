@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lockstep.context import group_context
-from lockstep.data import live_agreement
+from lockstep.live import agreement as live_agreement
 from lockstep.data.agreement import check_data_agreement
-from lockstep.runtime import live
+from lockstep.live import registry as live
 
 STATE_KEYS = ("epoch", "position", "seed", "num_samples", "world_size", "shuffle")
 
@@ -218,7 +218,7 @@ class ShardedSampler(Sampler[int]):
 
     def agreed_elsewhere(self) -> None:
         """Skip the first pass's check: a live replacement's peers agreed long ago, and its
-        state (seed included) came from one of them (`checkpoint/live_sampler.py`)."""
+        state (seed included) came from one of them (`live/sampler.py`)."""
         self._agreed = True
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from lockstep.context import DistContext
 from lockstep.runtime.replicate import broadcast_tensors
 
 if TYPE_CHECKING:
-    from lockstep.engine.live import LiveDDP
+    from lockstep.live.ddp import LiveDDP
 
 
 class BufferSync:
@@ -53,7 +53,7 @@ class BufferSync:
 
     def sync_buffers(self, src_rank: int) -> None:
         """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
-        if self._live is not None:  # a lost rank recovered inside (`engine/live_buffers.py`)
+        if self._live is not None:  # a lost rank recovered inside (`live/buffers.py`)
             self._live.buffers.sync(src_rank)
             return
         buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from lockstep.compiler import keep_out_of_graphs
+from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.context import DistContext, group_context
 from lockstep.engine import join
 from lockstep.engine.args import (
@@ -34,13 +34,13 @@ from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
-from lockstep.engine.live import LiveDDP
+from lockstep.live.ddp import LiveDDP
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
-from lockstep.meta import refuse_meta
-from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
-from lockstep.runtime import live
+from lockstep.runtime.meta import refuse_meta
+from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
+from lockstep.live import registry as live
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
 from lockstep.runtime.same_parameters import verify_same_parameters
@@ -118,7 +118,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self._live: LiveDDP | None = LiveDDP.registered(self) if live.enabled() else None
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
-        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
+        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/observe/trace_hook.py`)
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""

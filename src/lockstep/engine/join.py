@@ -26,7 +26,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lockstep.context import DistContext
 from lockstep.engine.reducer import Reducer
-from lockstep.runtime import live
+from lockstep.live import registry as live
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.replicate import broadcast_tensors
@@ -99,7 +99,7 @@ def common_rank(ddp: JoinTarget, candidate: bool) -> int:
 def before_forward(ddp: JoinTarget) -> None:
     """A rank with data: tell the Join context, and set this step's divisor if asked."""
     if getattr(ddp, "join_resumed", False):  # a live replacement inside a step: its peers
-        return  # notified already (`engine/live.py`); `announce_sync` ends the skip
+        return  # notified already (`live/ddp.py`); `announce_sync` ends the skip
     work = Join.notify_join_context(ddp)
     if work is None:
         return

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.context import DistContext
-from lockstep.engine import live_rebuild
+from lockstep.live import rebuild as live_rebuild
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
@@ -35,7 +35,7 @@ from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
 
 if TYPE_CHECKING:
-    from lockstep.runtime.live import Recovery
+    from lockstep.live.registry import Recovery
 
 GradHook = Callable[[torch.Tensor], None]
 
@@ -152,7 +152,7 @@ class Reducer:
             sent = torch.tensor(order, dtype=torch.int64, device=control_device(self.group))
             dist.broadcast(sent, self.root, group=self.group)
             order = sent.tolist()
-        elif self.world_size > 1:  # under live recovery: `engine/live_rebuild.py`
+        elif self.world_size > 1:  # under live recovery: `live/rebuild.py`
             self._in_live_rebuild = True
             try:
                 order = live_rebuild.broadcast_order(torch.tensor(order), self.root, self.group)
@@ -163,7 +163,7 @@ class Reducer:
 
     def live_layout(self, recovery: Recovery) -> tuple[list[list[int]], bool, list[int]]:
         """The bucket layout in use, whether the one rebuild happened, and the ready order
-        it will use if not (`engine/live.py`). A loss met in the rebuild's broadcast is
+        it will use if not (`live/ddp.py`). A loss met in the rebuild's broadcast is
         recovered as at the start of step 2, and a peer may be past it while this rank
         is between steps (`recovery.opened`): the layout is then the rebuilt one."""
         if (recovery.within_step and self._in_live_rebuild) or (

@@ -7,7 +7,7 @@ distance from the interval's last step, so a rank that joined inside the interva
 (a live replacement, docs/multinode.md) sends fewer steps in the same message. One
 more slot carries the last step's number: ranks that count steps differently raise
 on every rank rather than averaging different steps together. A rank lost during
-the all-reduce is recovered live (`runtime/live_between.py`); that interval's
+the all-reduce is recovered live (`live/points.py`); that interval's
 losses are then this rank's own.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.errors import RankMismatchError
-from lockstep.runtime.live_between import between_steps
+from lockstep.live.points import between_steps
 
 
 def mean_over_ranks(

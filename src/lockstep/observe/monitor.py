@@ -35,8 +35,8 @@ from lockstep.observe.loss_mean import mean_over_ranks
 from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summarize
 from lockstep.observe.straggler import StragglerReport, StragglerWatch
 from lockstep.observe.trace import TraceRecorder, merge_traces
-from lockstep.runtime import live
-from lockstep.runtime.live_between import between_steps
+from lockstep.live import registry as live
+from lockstep.live.points import between_steps
 
 METRICS_FILE = "metrics.jsonl"
 CLOSING = "the Monitor's closing barrier"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.agreement import gather_from_ranks
+from lockstep.collectives.agreement import gather_from_ranks
 
 
 def parameter_checksum(module: nn.Module) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.runtime.live_between import between_steps
+from lockstep.live.points import between_steps
 from lockstep.runtime.step_stats import StepStats
 
 

@@ -27,12 +27,13 @@ from typing import Protocol
 import torch.distributed as dist
 
 from lockstep.errors import LockstepError, UnusedParametersError
-from lockstep.runtime import live, waits
+from lockstep.runtime import waits
+from lockstep.live import registry as live
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
 from lockstep.runtime.data_passes import DataPasses
 from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint
-from lockstep.runtime.live_steps import LiveSteps
+from lockstep.live.steps import LiveSteps
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
 from lockstep.runtime.streams import at_backward_end
@@ -98,7 +99,7 @@ class BackwardDriver:
         self.graph_open = False  # a finalized step's graph may be backwarded again
         self._micro_batches = 0  # forwards under no_sync() since the last synchronised one
         self._unfinished: str | None = None
-        self.live = LiveSteps() if live.enabled() else None  # `runtime/live_steps.py`
+        self.live = LiveSteps() if live.enabled() else None  # `live/steps.py`
 
     def use_buckets(self, buckets: Sequence[Bucket], layout_hash: int) -> None:
         """The buckets of the coming steps, in launch order, and their layout's hash."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.agreement import gather_from_ranks
+from lockstep.collectives.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
 from lockstep.runtime import progress, waits
 from lockstep.runtime.control_device import control_device

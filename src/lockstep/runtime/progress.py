@@ -7,7 +7,7 @@ which notes the phase before it again when it ends, so no record outlives its ph
 Under `lockstep run` the record lives in a small memory-mapped file
 (`$LOCKSTEP_PROGRESS_DIR/<local rank>.progress`), so a note is a struct write into
 shared memory: no system call, no store round trip. The launcher's stall watch
-(`lockstep.launch.stall`) reads these files. Without the variable the record stays
+(`lockstep.launch.watches.stall`) reads these files. Without the variable the record stays
 in this process's memory (other launchers), where the stall inspector reads it.
 """
 

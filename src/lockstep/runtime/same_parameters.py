@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep.agreement import differing_ranks, gather_from_ranks
+from lockstep.collectives.agreement import differing_ranks, gather_from_ranks
 from lockstep.errors import RankMismatchError
 
 Signature = list[tuple[str, tuple[int, ...], str]]

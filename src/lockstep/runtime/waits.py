@@ -12,7 +12,7 @@ Under other launchers (torchrun, Slurm, mpirun) LOCKSTEP_STALL_TIMEOUT_S bounds 
 wait: past it the waiting rank exits, its message (and torchrun's error file)
 naming the rank(s) that never launched the collective, so the run ends blaming them.
 Under live recovery a wait polls instead of blocking, so that the announcement of a
-new generation ends it (`interrupt_with`, `runtime/live.py`) with `Interrupted`.
+new generation ends it (`interrupt_with`, `live/registry.py`) with `Interrupted`.
 `block` is the same wait without the progress note (a checkpoint's messages), with
 an optional bound of its own (a checkpoint's barrier).
 """

@@ -2,7 +2,7 @@
 
 An engine calls `wrapped(model)` at the end of its constructor (and after
 unpickling); a layer above the engines registers what should happen then with
-`on_wrap`, so no engine imports that layer. `lockstep/trace_hook.py` registers
+`on_wrap`, so no engine imports that layer. `lockstep/observe/trace_hook.py` registers
 the LOCKSTEP_TRACE tracer this way when `lockstep` is imported.
 """
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.agreement import differing_ranks, gather_from_ranks
+from lockstep.collectives.agreement import differing_ranks, gather_from_ranks
 from lockstep.sharded.units import wrapped_modules
 
 STAGES = (1, 2, 3)

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.context import DistContext, group_context
-from lockstep.meta import refuse_meta
-from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
-from lockstep.runtime import live, waits
+from lockstep.runtime.meta import refuse_meta
+from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
+from lockstep.runtime import waits
+from lockstep.live import registry as live
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.finite import FiniteGuard, NonFinite, flat_params
@@ -122,7 +123,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self.timeline: Timeline | None = None
         if live.enabled():
             live.register_refusal(live.SHARDED_REFUSAL)
-        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
+        wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/observe/trace_hook.py`)
 
     @property
     def step_driver(self) -> BackwardDriver:

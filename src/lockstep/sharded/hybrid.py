@@ -34,7 +34,7 @@ from lockstep.runtime.handles import CollectiveHandle, ThreadHandle
 from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.sharded.mesh import ShardMesh
 from lockstep.sharded.reduce_scatter import ShardBucket, make_collective
-from lockstep.torch_compat import reduce_scatter_single
+from lockstep.collectives.torch_compat import reduce_scatter_single
 
 SHARD_LEVEL = "reduce_scatter"
 REPLICA_LEVEL = "replica_all_reduce"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from lockstep.runtime.handles import WorkHandle
-from lockstep.torch_compat import all_gather_single
+from lockstep.collectives.torch_compat import all_gather_single
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.precision import reduce_input
-from lockstep.torch_compat import reduce_scatter_single
+from lockstep.collectives.torch_compat import reduce_scatter_single
 
 _EMPTY = torch.empty(0)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lockstep.sharded.flat import FlatParam
-from lockstep.torch_compat import all_gather_single
+from lockstep.collectives.torch_compat import all_gather_single
 
 
 def gather_flat(flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:
