@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,12 +20,23 @@ import torch.distributed as dist
 
 from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
-from lockstep.live.group import join, start_generation, worker_store
 from lockstep.teardown import install as _pin_groups
 
 # Before any group exists: groups are pinned and end at a known point at exit
 # (lockstep.teardown says why: an exit that hangs, or aborts, otherwise).
 _pin_groups()
+
+
+# How a process that replaces a lost rank joins its job's running group (`lockstep.live`
+# installs it under `lockstep run --live-recovery`): (rank, world size, timeout) -> joined.
+GroupJoin = Callable[[int, int, timedelta], bool]
+_group_joins: list[GroupJoin] = []
+
+
+def join_with(join: GroupJoin) -> None:
+    """`init()` asks `join` first: True means it made the default group (idempotent)."""
+    if join not in _group_joins:
+        _group_joins.append(join)
 
 
 @dataclass(frozen=True)
@@ -142,9 +154,8 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
-    if start_generation() > 0:  # a live replacement joins its generation's group
-        join(worker_store(timeout), start_generation(), launch.rank, launch.world_size, timeout)
-        return
+    if any(join(launch.rank, launch.world_size, timeout) for join in _group_joins):
+        return  # a live replacement joined its generation's group
     # torchrun-style launchers export MASTER_ADDR/MASTER_PORT; Slurm and MPI may not.
     init_method = (
         "env://"

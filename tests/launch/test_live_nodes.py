@@ -20,10 +20,11 @@ import pytest
 from launchkit import Launcher, node_args, wait_all
 from test_live_recovery import _assert_bitwise, _processes
 
-from lockstep.live import group as regroup
-from lockstep.launch.recovery import generations
 from lockstep.launch.cli.parser import add_parser, run_config
+from lockstep.launch.recovery import generations
 from lockstep.launch.rendezvous.store import host
+from lockstep.live import group as live_group
+from lockstep.live import keys
 from lockstep.testing.netns import Host, kill_inside
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
@@ -161,7 +162,7 @@ def test_generations_are_claimed_once_for_the_whole_job():
     assert mine == "rank(s) [1] failed while another node announced generation 1 for rank(s) [3]"
     assert "generation 1 (rank(s) [3]) was still forming" in str(generations.claim(node0, [1], 4))
     for rank in range(4):
-        node0.set(regroup.JOINED_KEY.format(generation=1, rank=rank), "1")
+        node0.set(keys.JOINED.format(generation=1, rank=rank), "1")
     assert generations.claim(node0, [1], 4) == 2
-    assert regroup.read_announcement(node1) == (2, [1])
+    assert live_group.read_announcement(node1) == (2, [1])
     del server

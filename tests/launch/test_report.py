@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from lockstep.launch.supervise.group import NodeReport, WorkerFailure, first_failure
+from lockstep.launch.diagnostics.report import cause_line, summarize
 from lockstep.launch.rendezvous.netif import route_to
 from lockstep.launch.rendezvous.rounds import NodeInfo, _duplicate_message
-from lockstep.launch.diagnostics.report import cause_line, summarize
+from lockstep.launch.supervise.group import NodeReport, WorkerFailure, first_failure
 
 RESET = "RuntimeError: Read error [10.0.0.2]:1234: Connection reset by peer."
 

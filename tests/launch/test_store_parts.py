@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from lockstep.launch.supervise import scratch
 from lockstep.launch.rendezvous.secret import SECRET_VARIABLE, SecretError, Signer, load_secret
 from lockstep.launch.rendezvous.store import BoundedStore, StoreUnreachable, host
+from lockstep.launch.supervise import scratch
 
 
 def test_only_values_sealed_with_the_secret_under_their_key_open():

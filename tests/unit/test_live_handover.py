@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from lockstep.live.sampler import SamplerPlace, continues
 from lockstep.data.sampler import ShardedSampler
+from lockstep.live.sampler import SamplerPlace, continues
 from lockstep.runtime.data_passes import DataPasses
 
 

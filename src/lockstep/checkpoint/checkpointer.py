@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.live import checkpoint as live_state
 from lockstep.checkpoint import rng
-from lockstep.live import save as live_save
 from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
@@ -30,11 +29,23 @@ from lockstep.checkpoint.state import build_payload, device_of, load_component, 
 from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
-from lockstep.runtime import progress
-from lockstep.live import registry as live
+from lockstep.runtime import progress, recovery
 from lockstep.sharded.engine import ShardedDataParallel
 
 DCP_REFUSAL = 'Checkpointer(format="dcp") is not handed over live; use the default format'
+
+
+@dataclass(frozen=True)
+class SaveInProgress:
+    """One call of `Checkpointer.save`, as live recovery runs it again after a loss."""
+
+    checkpointer: Checkpointer
+    step: int
+    components: dict[str, Any]
+    extra: Any
+
+    def run(self) -> Path:
+        return self.checkpointer.write_checkpoint(self.step, self.components, self.extra)
 
 
 class Checkpointer:
@@ -117,15 +128,16 @@ class Checkpointer:
         with progress.during(progress.Phase.CHECKPOINT, step, label=label):  # ends with the save
             components = {"model": model, "optimizer": optimizer}
             components.update(sampler=sampler, scheduler=scheduler)
-            if live.enabled():
-                live_state.saved(step)  # the live count of finished steps must agree
+            recovery.saving(step)
             if self._dcp is not None:
                 return self._dcp.save(step, components, extra)
-            if live.enabled():  # a rank lost inside the save: `live/save.py`
-                return live_save.save(self, step, components, extra)
-            return self._save(step, components, extra)
+            # A rank lost inside the save: the save runs again with its replacement, or not
+            # if it was committed (`runtime/recovery.py`, "inside a save").
+            save = SaveInProgress(self, step, components, extra)
+            return recovery.run_again(recovery.Point.SAVE, step, save.run, value=save)
 
-    def _save(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+    def write_checkpoint(self, step: int, components: dict[str, Any], extra: Any) -> Path:
+        """The save itself, on every rank (`save` checks its arguments and notes it)."""
         # Every rank gathers (sharded models); rank 0 writes.
         model, optimizer = gather_for_save(components["model"], components["optimizer"])
         states = self._gather_rng()
@@ -186,17 +198,15 @@ class Checkpointer:
                 checkpoint although files exist, a checkpoint of another model, ...).
         """
         components = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
-        if live.joining():  # a live replacement: the state comes from a survivor
-            return live_state.receive(self, model, components)
+        if recovery.replacing():  # a live replacement: the state comes from a survivor
+            return recovery.restore_from_peer(self, model, components)
         if self._dcp is not None:  # live recovery serves the single-file format only
-            if live.enabled():
-                live.register_refusal(DCP_REFUSAL)
+            recovery.refuse(DCP_REFUSAL)
             step = self._dcp.restore(model, components)
             self.extra = self._dcp.extra
             return step
         step = self._restore_from_disk(model, components)
-        if live.enabled():
-            live_state.register(self, model, components, step)
+        recovery.restored(self, model, components, step)
         return step
 
     def _restore_from_disk(self, model: nn.Module, components: dict[str, Any]) -> int | None:

@@ -15,8 +15,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from lockstep.collectives.agreement import differing_ranks, gather_from_ranks
 from lockstep.collectives._p2p import Group, ReduceOp, Workspace
+from lockstep.collectives.agreement import differing_ranks, gather_from_ranks
 from lockstep.collectives.allreduce import (
     all_reduce_halving_doubling,
     all_reduce_naive,

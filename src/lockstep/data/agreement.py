@@ -9,20 +9,62 @@ of times and one of them would hang there.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
-from lockstep.collectives.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
+from lockstep.runtime import recovery
+from lockstep.runtime.control_device import control_device
+
+Statement = dict[str, int | None]
 
 
 def gather_statements(
-    statement: dict[str, int | None], process_group: dist.ProcessGroup | None = None
-) -> list[dict[str, int | None]]:
-    """Every rank's `statement`, indexed by rank (the same list on every rank)."""
-    gathered = gather_from_ranks(statement, process_group)
-    return [dict(s or {}) for s in gathered]
+    statement: Statement,
+    process_group: dist.ProcessGroup | None = None,
+    settle: Callable[[Statement], None] | None = None,
+) -> list[Statement]:
+    """Every rank's `statement`, indexed by rank (the same list on every rank).
+
+    Two asynchronous all-gathers (the lengths, then the padded bytes), each a recovery
+    point at the first step's start (`runtime/recovery.py`): after a loss met in them,
+    only the statement this rank took from a peer's post, which `settle` (the seed's
+    owner) was given before the state went over.
+    """
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return [statement]
+    device = control_device(process_group)
+    world = dist.get_world_size(process_group)
+    mine = torch.frombuffer(bytearray(pickle.dumps(statement)), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    value = (statement, settle)
+    outcome = recovery.run(
+        recovery.Point.AGREEMENT,
+        0,
+        lambda: dist.all_gather(sizes, length, group=process_group, async_op=True),
+        value=value,
+    )
+    if not outcome.ran:
+        return outcome.value
+    lengths = [int(n.item()) for n in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    every = [torch.empty_like(padded) for _ in range(world)]
+    outcome = recovery.run(
+        recovery.Point.AGREEMENT,
+        0,
+        lambda: dist.all_gather(every, padded, group=process_group, async_op=True),
+        value=value,
+    )
+    if not outcome.ran:
+        return outcome.value
+    return [
+        pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(every, lengths, strict=True)
+    ]
 
 
 def disagreements(statements: list[dict[str, int | None]]) -> list[str]:
@@ -41,8 +83,8 @@ def check_data_agreement(
     process_group: dist.ProcessGroup | None = None,
     *,
     shared: dict[str, int | None] | None = None,
-    gather: Callable[[dict[str, int | None]], list[dict[str, int | None]]] | None = None,
-) -> list[dict[str, int | None]]:
+    settle: Callable[[Statement], None] | None = None,
+) -> list[Statement]:
     """Gather `statement` from every rank and raise on every rank if any field differs.
 
     Args:
@@ -51,17 +93,19 @@ def check_data_agreement(
         process_group: the ranks that must agree; the default group when None.
         shared: further fields that are gathered but not compared (such as a random seed
             that every rank then takes from rank 0).
-        gather: how the statements are gathered (live recovery's interruptible gather,
-            `live/agreement.py`); `gather_statements` over `process_group` if None.
+        settle: takes rank 0's statement (its shared fields); called here only after a
+            live recovery in the gather, before the state goes over to the replacement.
 
     Returns:
-        Every rank's statement and shared fields together, indexed by rank.
+        Every rank's statement and shared fields together, indexed by rank; after a live
+        recovery in the gather, the one statement this rank took (a peer past the gather
+        compared them; the step fingerprint still catches uneven data).
 
     Raises:
         RankMismatchError: the ranks differ; the message names each field, rank and value.
     """
     mine = {**(shared or {}), **statement}
-    statements = gather(mine) if gather else gather_statements(mine, process_group)
+    statements = gather_statements(mine, process_group, settle)
     lines = disagreements([{k: s[k] for k in statement} for s in statements])
     if lines:
         raise RankMismatchError(

@@ -16,7 +16,6 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Sized
-from functools import partial
 from typing import Any
 
 import torch
@@ -24,9 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lockstep.context import group_context
-from lockstep.live import agreement as live_agreement
 from lockstep.data.agreement import check_data_agreement
-from lockstep.live import registry as live
 
 STATE_KEYS = ("epoch", "position", "seed", "num_samples", "world_size", "shuffle")
 
@@ -198,11 +195,8 @@ class ShardedSampler(Sampler[int]):
             "batches per epoch": self.batches_per_epoch,
             "seed": self.seed if self._seed_given else None,
         }
-        gather = None
-        if live.enabled() and self.process_group is None:  # a loss there is recovered
-            gather = partial(live_agreement.gather, settle=self._settle)
         statements = check_data_agreement(
-            statement, self.process_group, shared={"seed used": self.seed}, gather=gather
+            statement, self.process_group, shared={"seed used": self.seed}, settle=self._settle
         )
         self._settle(statements[0])
 

@@ -17,10 +17,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lockstep.context import DistContext
-from lockstep.runtime.replicate import broadcast_tensors
+from lockstep.runtime import recovery
+from lockstep.runtime.recovery import Point
+from lockstep.runtime.replicate import copy_back, flattened
 
 if TYPE_CHECKING:
-    from lockstep.live.ddp import LiveDDP
+    from lockstep.engine.reducer import Reducer
 
 
 class BufferSync:
@@ -32,7 +34,7 @@ class BufferSync:
     forward_sync_buffers: bool
     require_forward_param_sync: bool
     device_ids: list[int | torch.device] | None
-    _live: LiveDDP | None
+    reducer: Reducer
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -51,15 +53,35 @@ class BufferSync:
             and any(True for _ in self.module.buffers())
         )
 
+    def broadcast_buffers_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a forward broadcasts, by name (torch's `_ddp_ignored` ones left out)."""
+        named = self.module.named_buffers()
+        return [(n, b) for n, b in named if not getattr(b, "_ddp_ignored", False)]
+
     def sync_buffers(self, src_rank: int) -> None:
-        """Broadcast buffers from group rank `src_rank` (0, or under Join the owner)."""
-        if self._live is not None:  # a lost rank recovered inside (`live/buffers.py`)
-            self._live.buffers.sync(src_rank)
+        """Broadcast buffers from group rank `src_rank` (0, or under Join the owner).
+
+        A recovery point at the step's start (`runtime/recovery.py`): after a rank lost
+        in it was recovered live, this rank takes what the broadcast carries from rank
+        0's post, or keeps its own buffers when its peers' broadcast already matched them.
+        """
+        named = self.broadcast_buffers_named()
+        if not named or self.ctx.world_size == 1:
             return
-        buffers = [b for _, b in self.module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
-        if buffers and self.ctx.world_size > 1:
-            src = self.ctx.global_rank(src_rank)
-            broadcast_tensors(buffers, src=src, process_group=self.process_group)
+        src, group = self.ctx.global_rank(src_rank), self.process_group
+        chunks = list(flattened([b for _, b in named]))  # small: a model's buffers
+
+        def launch() -> list[dist.Work]:  # all launched, then waited: one wait's latency
+            return [dist.broadcast(flat, src=src, group=group, async_op=True) for _, flat in chunks]
+
+        outcome = recovery.run(Point.BUFFERS, self.reducer.driver.steps + 1, launch)
+        if outcome.ran:
+            for chunk, flat in chunks:
+                copy_back(chunk, flat)
+        elif outcome.value is not None:
+            with torch.no_grad():
+                for name, buffer in named:
+                    buffer.copy_(outcome.value[name])
 
     def to_device(self, tree: Any) -> Any:
         """Every tensor in `tree` moved to `device_ids[0]` (non-blocking)."""

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.context import DistContext, group_context
 from lockstep.engine import join
 from lockstep.engine.args import (
@@ -32,16 +31,16 @@ from lockstep.engine.args import (
 )
 from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
+from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
-from lockstep.live.ddp import LiveDDP
 from lockstep.engine.reducer import Reducer
 from lockstep.engine.static_graph import StaticGraph
 from lockstep.engine.unused import unreachable_parameters
+from lockstep.runtime import recovery
+from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.meta import refuse_meta
 from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
-from lockstep.live import registry as live
-from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import SyncToggle
@@ -112,10 +111,9 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         check_module(module, args, ignored)
         self.module = module
         self._build_settings(args, ignored)
-        if args.init_sync and not live.joining():  # a live replacement: from a survivor
+        if args.init_sync and not recovery.replacing():  # a live replacement: from a peer
             self._build_replicas()
         self._build_runtime()
-        self._live: LiveDDP | None = LiveDDP.registered(self) if live.enabled() else None
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/observe/trace_hook.py`)
@@ -189,7 +187,6 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             "_static",
             "_mp",
             "_hooked",
-            "_live",
         ):
             state.pop(key, None)
         state.pop("env_tracer", None)  # a tracer belongs to a process
@@ -201,9 +198,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         """An unpickled (or deep-copied) wrapper works in the current default group."""
         super().__setstate__(state)
         Joinable.__init__(self)
-        self._live = None  # live recovery knows the wrapper the script built, not a copy
         self._build_runtime()
-        wrapped(self)
+        wrapped(self, copy=True)  # live recovery keeps the wrapper the script built
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -218,8 +214,6 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
             self.nonfinite.note_forward()  # fp16 autocast: GradScaler owns overflow
-            if self._live is not None:
-                self._live.after_forward()
             if self._static is not None:
                 output = self._static.wrap_output(output)
         else:
@@ -230,7 +224,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
 
     def _pre_forward(self, grad_enabled: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Join's notices, the one rebuild, buffers from their owner, inputs moved and cast."""
-        joining = self._join_config.enable
+        joining = self.join_config.enable
         if joining:
             join.before_forward(self)
         if grad_enabled:
@@ -285,6 +279,26 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self._hooked = True
         hooked = CommHookCollective(hook, state)
         self.reducer.set_collective(self.nonfinite.wrap(with_skip(self._args, hooked)))
+
+    @property
+    def arguments(self) -> DDPArguments:
+        """The constructor's arguments, validated (read-only)."""
+        return self._args
+
+    @property
+    def has_comm_hook(self) -> bool:
+        return getattr(self, "_hooked", False)
+
+    @property
+    def delays_all_reduce(self) -> bool:
+        """Some parameters are all-reduced after backward (delay_all_reduce_named_params)."""
+        return self._delayed is not None
+
+    def use_process_group(self, group: dist.ProcessGroup) -> None:
+        """Run every later collective on `group` (live recovery re-formed the default one)."""
+        self.process_group = group
+        self.reducer.use_group(group)
+        self.nonfinite.group = group
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""

@@ -26,7 +26,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lockstep.context import DistContext
 from lockstep.engine.reducer import Reducer
-from lockstep.live import registry as live
+from lockstep.runtime import recovery
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.replicate import broadcast_tensors
@@ -48,8 +48,7 @@ class JoinTarget(Protocol):
     forward_sync_buffers: bool
     divide_by_initial_world_size: bool
     join_announcement: Any
-    join_resumed: bool  # a live replacement resuming inside a step: skip its notices once
-    _join_config: Any  # torch's, set by Join and kept after the context
+    join_config: Any  # torch's JoinConfig, set by Join and kept after the context
 
     def will_sync_module_buffers(self) -> bool: ...
     def sync_buffers(self, src_rank: int) -> None: ...
@@ -87,6 +86,16 @@ class JoinableDDP(Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group  # type: ignore[attr-defined]
 
+    @property
+    def join_config(self) -> Any:
+        """torch's `JoinConfig` of the last Join context (torch keeps it after the context:
+        every later forward still notifies it), under a public name."""
+        return self._join_config
+
+    @join_config.setter
+    def join_config(self, config: Any) -> None:
+        self._join_config = config
+
 
 def common_rank(ddp: JoinTarget, candidate: bool) -> int:
     """The highest group rank among the candidates (torch's rule for the model's owner)."""
@@ -97,9 +106,13 @@ def common_rank(ddp: JoinTarget, candidate: bool) -> int:
 
 
 def before_forward(ddp: JoinTarget) -> None:
-    """A rank with data: tell the Join context, and set this step's divisor if asked."""
-    if getattr(ddp, "join_resumed", False):  # a live replacement inside a step: its peers
-        return  # notified already (`live/ddp.py`); `announce_sync` ends the skip
+    """A rank with data: tell the Join context, and set this step's divisor if asked.
+
+    Not after a live recovery at this step's start: the peers sent this forward's
+    notices on the group now gone (`announce_sync` ends the skip).
+    """
+    if recovery.skips(recovery.Point.JOIN_NOTICES, consume=False):
+        return
     work = Join.notify_join_context(ddp)
     if work is None:
         return
@@ -108,16 +121,9 @@ def before_forward(ddp: JoinTarget) -> None:
         ddp.reducer.average_over(int(work.result()[0].item()))
 
 
-def skip_next_notices(ddp: JoinTarget) -> None:
-    """This rank's next notices (one forward's) are not sent: under live recovery, its
-    peers sent theirs on a group now gone, and no rank shadows them after the context."""
-    ddp.join_resumed = ddp._join_config.enable
-
-
 def announce_sync(ddp: JoinTarget) -> None:
     """Tell joined ranks whether this step synchronises (1 from each rank that will)."""
-    if getattr(ddp, "join_resumed", False):
-        ddp.join_resumed = False
+    if recovery.skips(recovery.Point.JOIN_NOTICES):
         return
     device = control_device(ddp.process_group)
     flag = torch.tensor([1.0 if ddp.require_backward_grad_sync else 0.0], device=device)
@@ -130,7 +136,7 @@ class DDPJoinHook(JoinHook):
     def __init__(self, ddp: JoinTarget, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp.divide_by_initial_world_size = divide_by_initial_world_size
-        live.hold_refusal(LIVE_REFUSAL)  # until the post-hook: shadows are not recovered
+        recovery.hold_refusal(LIVE_REFUSAL)  # until the post-hook: shadows are not recovered
 
     def main_hook(self) -> None:
         ddp = self.ddp
@@ -155,7 +161,7 @@ class DDPJoinHook(JoinHook):
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=ddp.process_group)
         ddp.reducer.driver.steps = int(steps.item())
         ddp.reducer.average_over(ddp.ctx.world_size)
-        live.release_refusal(LIVE_REFUSAL)
+        recovery.release_refusal(LIVE_REFUSAL)
 
 
 def shadow_backward(ddp: JoinTarget) -> None:

@@ -16,13 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lockstep.context import DistContext
-from lockstep.live import rebuild as live_rebuild
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
@@ -31,11 +29,9 @@ from lockstep.runtime.bucket_layout import BucketLayout
 from lockstep.runtime.bucketing import assign_buckets, param_specs
 from lockstep.runtime.control_device import control_device
 from lockstep.runtime.driver import BackwardDriver
+from lockstep.runtime.recovery import Point, run
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
-
-if TYPE_CHECKING:
-    from lockstep.live.registry import Recovery
 
 GradHook = Callable[[torch.Tensor], None]
 
@@ -87,7 +83,6 @@ class Reducer:
             self, collective, process_group, ctx.rank, ctx.world_size, check_data_passes
         )
         self._rebuilt = False
-        self._in_live_rebuild = False  # a hand-over meanwhile gives the rebuilt layout
         self._ready_order: list[int] = []
         # Parameters whose hook fired since the last synchronised step (torch's local
         # used map: a micro-batch under no_sync() counts); only find_unused reads it.
@@ -95,12 +90,13 @@ class Reducer:
         self.mark = self._mark_ready  # or its no-grad form in a create_graph backward
         self.static = False  # static graph (`engine/static_graph.py`) installs its hooks
         self.static_unused: set[int] | None = None  # static graph: known after step 1
-        self._use_layout(self._groups(None))
+        self._use_layout(self.groups_for(None))
         self._handles: list = []
         self.replace_hooks(self._hook_for)
 
     # ----------------------------------------------------------------- layout
-    def _groups(self, order: list[int] | None) -> list[list[int]]:
+    def groups_for(self, order: list[int] | None) -> list[list[int]]:
+        """The buckets (parameter indices) made in ready `order` (None: registration's)."""
         caps = self.caps
         return assign_buckets(
             self.specs, order, first_cap_bytes=caps.first, cap_bytes=caps.rest,
@@ -144,43 +140,44 @@ class Reducer:
             bucket.averaging = collective.averaging(bucket.buffer.dtype)
 
     def rebuild_if_needed(self) -> None:
-        """Once, before the second synchronised forward: re-bucket in observed ready order."""
-        if not self._rebuild_due():
+        """Once, before the second synchronised forward: re-bucket in observed ready order.
+
+        Rank 0's order goes to every rank by a broadcast, a recovery point at the step's
+        start (`runtime/recovery.py`): after a loss met there, the order comes from rank
+        0's post instead (`Outcome.value`).
+        """
+        if not self.rebuild_due():
             return
         order = self._ready_order
-        if self.world_size > 1 and self.driver.live is None:
+        if self.world_size > 1:
             sent = torch.tensor(order, dtype=torch.int64, device=control_device(self.group))
-            dist.broadcast(sent, self.root, group=self.group)
-            order = sent.tolist()
-        elif self.world_size > 1:  # under live recovery: `live/rebuild.py`
-            self._in_live_rebuild = True
-            try:
-                order = live_rebuild.broadcast_order(torch.tensor(order), self.root, self.group)
-            finally:
-                self._in_live_rebuild = False
-        self._use_layout(self._groups(order))
+            outcome = run(
+                Point.REBUILD,
+                self.driver.steps + 1,
+                lambda: dist.broadcast(sent, self.root, group=self.group, async_op=True),
+                value=order,
+            )
+            order = sent.tolist() if outcome.ran else outcome.value
+        self._use_layout(self.groups_for(order))
         self._rebuilt = True
 
-    def live_layout(self, recovery: Recovery) -> tuple[list[list[int]], bool, list[int]]:
-        """The bucket layout in use, whether the one rebuild happened, and the ready order
-        it will use if not (`live/ddp.py`). A loss met in the rebuild's broadcast is
-        recovered as at the start of step 2, and a peer may be past it while this rank
-        is between steps (`recovery.opened`): the layout is then the rebuilt one."""
-        if (recovery.within_step and self._in_live_rebuild) or (
-            recovery.opened and not recovery.within_step and self._rebuild_due()
-        ):
-            return self._groups(live_rebuild.agreed_order(self._ready_order)), True, []
-        groups = [list(g) for g in self.layout.groups]
-        return groups, self._rebuilt, [] if self._rebuilt else list(self._ready_order)
-
-    def _rebuild_due(self) -> bool:
+    def rebuild_due(self) -> bool:
+        """The one rebuild has not happened, and every parameter's ready time is known."""
         return not self._rebuilt and len(self._ready_order) == len(self.params)
 
-    def catch_up_rebuild(self) -> None:
-        """Between steps, a peer past the rebuild's broadcast: the order it carried."""
-        if self._rebuild_due():
-            self._use_layout(self._groups(live_rebuild.posted_order()))
-            self._rebuilt = True
+    @property
+    def rebuilt(self) -> bool:
+        return self._rebuilt
+
+    @property
+    def ready_order(self) -> list[int]:
+        """The order this rank's gradients became ready in its first steps (rebuild's input)."""
+        return list(self._ready_order)
+
+    def use_group(self, group: dist.ProcessGroup) -> None:
+        """Run every later collective on `group` (live recovery re-formed the default one)."""
+        self.group = group
+        self.driver.use_group(group)
 
     def adopt_layout(self, groups: list[list[int]], rebuilt: bool, ready: list[int]) -> None:
         """A live replacement takes a survivor's layout, rebuilt or not (then the order

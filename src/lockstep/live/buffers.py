@@ -5,13 +5,13 @@ torch's rule: a forward that follows a synchronised one broadcasts rank 0's buff
 own copy with its own batch. So between two broadcasts the ranks' buffers differ,
 and a lost rank's are lost with it. Three things make such a model recoverable live:
 
-- *The broadcast is waited interruptibly* (`live/points.py`): a rank lost
-  there is recovered as inside the step the forward opens (peers that received the
-  value may be in that step already); a rank still in the broadcast takes its value
-  from rank 0's post (below), and nobody broadcasts it again.
-- *A copy of the broadcast buffers* (`synced`), after each broadcast: a replacement
-  that resumes inside a step starts from the buffers every rank had at that step's
-  start, and skips its own first broadcast (the survivors are past it).
+- *The broadcast is a recovery point at the step's start* (`runtime/recovery.py`): a
+  rank lost there is recovered as inside the step the forward opens (peers that
+  received the value may be in that step already); a rank still in the broadcast
+  takes its value from rank 0's post (below), and nobody broadcasts it again.
+- *A copy of the broadcast buffers* (`synced`, labelled with the steps finished when
+  it was taken): a replacement that resumes inside a step starts from the buffers
+  every rank had at that step's start, and skips its own first broadcast.
 - *Rank 0 posts its buffers* in the launcher's store after each synchronised forward:
   that is what the next broadcast carries, so a rank stuck in it takes it from there,
   and a replacement of rank 0 between steps broadcasts what rank 0 would have (no
@@ -27,14 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.engine import join
-from lockstep.errors import LockstepError
-from lockstep.live import registry as live
-from lockstep.live import wire as live_wire
-from lockstep.live.points import between_steps
-from lockstep.runtime.replicate import copy_back, flattened
+from lockstep.live import keys, lines, registry, wire
+from lockstep.runtime.recovery import Point
 
-POSTED_KEY = "lockstep/live/buffers0/{parity}"  # rank 0's (step, buffers), two steps kept
+Buffers = dict[str, torch.Tensor]
 
 
 class LiveBuffers:
@@ -42,98 +38,60 @@ class LiveBuffers:
 
     def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel
         self.ddp = ddp
-        self.synced: dict[str, torch.Tensor] = {}  # as the last broadcast left them
+        self.synced: Buffers = {}  # as the last broadcast left them
         self.synced_after = -1  # the steps finished at that broadcast (-1: none yet)
-        self.skip_next = False  # a replacement inside a step: its peers broadcast already
-        self.in_broadcast = False
 
     def active(self) -> bool:
-        return bool(self.ddp.forward_sync_buffers and self.named())
+        return bool(self.ddp.forward_sync_buffers and self.ddp.broadcast_buffers_named())
 
-    def named(self) -> list[tuple[str, torch.Tensor]]:
-        """The buffers a forward broadcasts (as `BufferSync.sync_buffers` picks them)."""
-        module = self.ddp.module
-        return [(n, b) for n, b in module.named_buffers() if not getattr(b, "_ddp_ignored", 0)]
+    def _steps(self) -> int:
+        return self.ddp.reducer.driver.steps
 
-    def _own(self) -> dict[str, torch.Tensor]:
+    def _own(self) -> Buffers:
         """A copy of this rank's buffers as they stand."""
-        return {n: b.detach().clone() for n, b in self.named()}
+        return {n: b.detach().clone() for n, b in self.ddp.broadcast_buffers_named()}
 
     # ------------------------------------------------------------- every step
-    def sync(self, src_rank: int) -> None:
-        """The forward's broadcast from group rank `src_rank`, recovered if a rank is lost.
-
-        A loss met here is recovered as inside the step this forward opens: peers that
-        had the broadcast's value may be inside that step already. This rank then takes
-        the value the broadcast carries, rank 0's buffers after its last synchronised
-        forward, from rank 0's post (`_broadcast_value`), and goes on into the step.
-        """
-        if self.skip_next:
-            self.skip_next = False
-            return
-        named = self.named()
-        self.in_broadcast = True
-        try:
-            done = self._broadcast([b for _, b in named], src_rank)
-        finally:
-            self.in_broadcast = False
-        if not done:  # recovered: the state went over as for this step, now the value
-            self._take_posted(named)
-            join.skip_next_notices(self.ddp)  # this forward's: nobody sends them again
-        self._keep(named)
-
-    def _broadcast(self, buffers: list[torch.Tensor], src_rank: int) -> bool:
-        """One broadcast per dtype; False if a rank was lost (nothing written then)."""
-        ddp = self.ddp
-        what = f"the buffer broadcast of step {ddp.reducer.driver.steps + 1}"
-        src = ddp.ctx.global_rank(src_rank)
-        chunks = list(flattened(buffers))  # small: a model's buffers
-        works = [  # all launched, then waited: one wait's latency
-            dist.broadcast(flat, src=src, group=ddp.process_group, async_op=True)
-            for _, flat in chunks
-        ]
-        for work in works:
-            if not between_steps(work, what, within_step=True):
-                return False
-        for chunk, flat in chunks:
-            copy_back(chunk, flat)
-        return True
-
-    def _keep(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def keep(self, value: Buffers | None = None) -> None:
+        """After a broadcast (or its value taken): copy the buffers every rank now holds."""
         with torch.no_grad():
-            for name, buffer in named:
+            for name, buffer in self.ddp.broadcast_buffers_named():
+                now = value[name] if value is not None else buffer
                 kept = self.synced.get(name)
-                if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
-                    self.synced[name] = buffer.detach().clone()
+                if kept is None or kept.shape != now.shape or kept.dtype != now.dtype:
+                    self.synced[name] = now.detach().clone()
                 else:
-                    kept.copy_(buffer)
-        self.synced_after = self.ddp.reducer.driver.steps
+                    kept.copy_(now)
+        self.synced_after = self._steps()
 
     def post(self) -> None:
         """Rank 0, after a synchronised forward: its buffers, labelled with that step."""
-        named = self.named() if dist.get_rank() == 0 and self.ddp.forward_sync_buffers else []
-        if not named:
+        if dist.get_rank() != 0 or not self.active():
             return
-        step = self.ddp.reducer.driver.steps + 1
-        value = (step, {n: b.detach().cpu() for n, b in named})
-        live.store().set(POSTED_KEY.format(parity=step % 2), live_wire.pack(value))
+        step = self._steps() + 1
+        value = (step, {n: b.detach().cpu() for n, b in self.ddp.broadcast_buffers_named()})
+        registry.store().set(keys.BUFFERS.format(parity=step % 2), wire.pack(value))
 
     # ---------------------------------------------------------- at a recovery
+    def lost_in_broadcast(self) -> Buffers:
+        """This rank met the loss in the broadcast: what it carries (rank 0's post)."""
+        value = self.broadcast_value(self._steps())
+        self.keep(value)
+        return value
+
     def catch_up(self) -> None:
         """Recovered between steps while a peer is past the next forward's broadcast:
-        take what it carries (rank 0's post) and skip it, as that peer did."""
+        take what it carries (rank 0's post) instead of running it, as that peer did."""
         if not self.active() or not self.ddp.require_forward_param_sync:
             return
-        named = self.named()
-        self._take_posted(named)
-        self._keep(named)
-        self.skip_next = True
+        value = self.broadcast_value(self._steps())
+        self.keep(value)
+        registry.take(Point.BUFFERS, value)
 
     def recovered_before_forward(self) -> None:
         """A loss met before this process's first forward, recovered as at the start of
         the step: that step's broadcast carries what every rank holds now (the wrap's or
-        `restore()`'s buffers), so this rank keeps them and skips it, as its peers past
-        it did.
+        `restore()`'s buffers), so this rank keeps them and skips it, as its peers did.
 
         Raises:
             LockstepError: a forward ran already in this process (its buffers moved).
@@ -141,76 +99,69 @@ class LiveBuffers:
         if not self.active():
             return
         if self.synced_after != -1:
-            raise LockstepError(
-                "live recovery: a loss met in the data's agreement after a forward had "
-                "moved this rank's buffers; falling back to the whole-group restart"
+            raise lines.fallback(
+                "a loss met in the data's agreement after a forward had moved this rank's buffers"
             )
-        self._keep(self.named())
-        self.skip_next = True
+        self.keep()
+        registry.take(Point.BUFFERS, None)
 
-    def state(self, recovery: live.Recovery) -> dict[str, Any]:
+    def state(self, recovery: registry.Recovery) -> dict[str, Any]:
         """What the replacement's buffers must be, and whether its first forward broadcasts.
 
         Raises:
             LockstepError: the buffers a replacement needs exist nowhere (a forward
                 ran without the broadcast torch's rule puts before it).
         """
-        ddp, steps = self.ddp, self.ddp.reducer.driver.steps
-        if recovery.within_step and self.in_broadcast:
-            buffers = self._broadcast_value(steps)  # what this step's broadcast carries
-        elif recovery.within_step or not ddp.require_forward_param_sync:
+        steps, forward_sync = self._steps(), self.ddp.require_forward_param_sync
+        if recovery.within_step and recovery.point in (Point.REBUILD, Point.BUFFERS):
+            buffers = self.broadcast_value(steps)  # what this step's broadcast carries
+        elif recovery.within_step or not forward_sync:
             # it resumes at this step (or its next forward keeps its own buffers): the
             # buffers every rank had after this step's broadcast
             if self.synced_after != steps:
-                raise LockstepError(
-                    f"live recovery: the buffers of the lost rank(s) {list(recovery.replaced)} "
-                    f"at step {steps + 1} exist nowhere: no forward since step {steps} "
-                    "broadcast them (torch's rule skips the broadcast after a forward without "
-                    "gradients); falling back to the whole-group restart"
+                raise lines.fallback(
+                    f"the buffers of the lost rank(s) {list(recovery.replaced)} at step "
+                    f"{steps + 1} exist nowhere: no forward since step {steps} broadcast them "
+                    "(torch's rule skips the broadcast after a forward without gradients)"
                 )
             buffers = self.synced
-        elif recovery.opened:  # between steps, a peer past the next forward's broadcast
-            buffers = self._broadcast_value(steps)
-        elif 0 in recovery.replaced:
-            buffers = self._broadcast_value(steps)  # what rank 0's next forward broadcasts
+        elif recovery.opened or 0 in recovery.replaced:
+            # a peer is past the next forward's broadcast, or the replacement is rank 0:
+            # what rank 0's next forward broadcasts
+            buffers = self.broadcast_value(steps)
         else:
             buffers = self._own()  # the next forward's broadcast overwrites them
-        skip = recovery.within_step or (recovery.opened and ddp.require_forward_param_sync)
+        skip = recovery.within_step or (recovery.opened and forward_sync)
         return {
             "buffers": buffers,
             "skip_first_sync": skip,
-            "forward_sync": ddp.require_forward_param_sync or recovery.within_step,
+            "forward_sync": forward_sync or recovery.within_step,
         }
 
-    def _take_posted(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy in what the forward's broadcast carries after the steps finished now."""
-        value = self._broadcast_value(self.ddp.reducer.driver.steps)
-        with torch.no_grad():
-            for name, buffer in named:
-                buffer.copy_(value[name])
-
-    def _broadcast_value(self, steps: int) -> dict[str, torch.Tensor]:
+    def broadcast_value(self, steps: int) -> Buffers:
         """What a forward's broadcast after `steps` finished steps carries: rank 0's
         buffers after its last synchronised forward (its post), or before any step the
         buffers the wrap made equal on every rank."""
         if steps == 0:
             return self._own()
-        store, key = live.store(), POSTED_KEY.format(parity=steps % 2)
-        step, buffers = live_wire.unpack(store.get(key)) if store.check([key]) else (None, {})
+        store, key = registry.store(), keys.BUFFERS.format(parity=steps % 2)
+        step, buffers = wire.unpack(store.get(key)) if store.check([key]) else (None, {})
         if step != steps:
-            raise LockstepError(
-                f"live recovery: rank 0's buffers after the forward of step {steps} were not "
-                f"posted (found step {step}); falling back to the whole-group restart"
+            raise lines.fallback(
+                f"rank 0's buffers after the forward of step {steps} were not posted (found "
+                f"step {step})"
             )
         return buffers
 
     def adopt(self, state: dict[str, Any]) -> None:
         """The replacement takes the buffers (after the model's state was loaded)."""
-        named = dict(self.named())
+        named = dict(self.ddp.broadcast_buffers_named())
         with torch.no_grad():
             for name, value in state["buffers"].items():
                 named[name].copy_(value)
-        self.skip_next = bool(state["skip_first_sync"])
+        skip = bool(state["skip_first_sync"])
         self.ddp.require_forward_param_sync = bool(state["forward_sync"])
-        if self.skip_next or not self.ddp.require_forward_param_sync:
-            self._keep(list(named.items()))
+        if skip:
+            registry.take(Point.BUFFERS, None)  # its peers broadcast already: keep these
+        if skip or not self.ddp.require_forward_param_sync:
+            self.keep()

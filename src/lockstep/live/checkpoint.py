@@ -17,16 +17,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.live import group as regroup
 from lockstep.checkpoint import rng
-from lockstep.live import sampler as live_sampler
-from lockstep.live import save as live_save
 from lockstep.checkpoint.state import build_payload, load_component, load_model
-from lockstep.live import registry as live
-from lockstep.live import wire as live_wire
+from lockstep.live import keys, registry, save, wire
+from lockstep.live.sampler import SamplerPlace, continues, received
 from lockstep.sharded.engine import ShardedDataParallel
 
-RNG_KEY = "lockstep/live/rng/{rank}"
 SOURCE = "the state received from a live peer"
 
 
@@ -36,7 +32,7 @@ class LiveState:
     Args:
         checkpointer: the script's `Checkpointer` (its `extra` travels too).
         model, components: what `restore()` was given.
-        finished: steps finished when registered, less the engine's count then, so that
+        offset: steps finished when registered, less the engine's count then, so that
             `engine steps + offset` is the number of finished steps at any time.
     """
 
@@ -44,36 +40,35 @@ class LiveState:
         self.checkpointer, self.model, self.components = checkpointer, model, components
         self.offset = offset
         self.miscount: str | None = None
-        self.sampler = live_sampler.SamplerPlace(components.get("sampler"))
-        self.interrupted_save: tuple[int, Any] | None = None  # (step, extra): `live_save.py`
+        self.sampler = SamplerPlace(components.get("sampler"))
 
     def saved(self, step: int) -> None:
         """`save(step)` ran: the script's count and the engine's must agree, else refuse."""
-        if self.miscount is None and live.engines() and step != self.finished() - 1:
+        if self.miscount is None and registry.engines() and step != self.finished() - 1:
             self.miscount = (
                 f"the script saved step {step} where the engine counts {self.finished()} "
                 "finished steps: the step a replacement resumes at would be wrong"
             )
-            live.declare()
+            registry.declare()
 
     def refusal(self) -> str | None:
         if self.miscount is not None:
             return self.miscount
         if isinstance(self.model, ShardedDataParallel):
-            return live.SHARDED_REFUSAL
+            return registry.SHARDED_REFUSAL
         return None
 
     def finished(self) -> int:
-        return live.engines()[0].steps + self.offset
+        return registry.steps() + self.offset
 
-    def serve(self, donor: int, recovery: live.Recovery) -> None:
+    def serve(self, donor: int, recovery: registry.Recovery, interrupted: Any) -> None:
         """Survivors: the donor broadcasts the state over the new default group."""
         blob = None
         if dist.get_rank() == donor:
-            blob = live_wire.pack(self._bundle(recovery))
-        live_wire.broadcast(blob, donor)
+            blob = wire.pack(self._bundle(recovery, interrupted))
+        wire.broadcast(blob, donor)
 
-    def _bundle(self, recovery: live.Recovery) -> dict[str, Any]:
+    def _bundle(self, recovery: registry.Recovery, interrupted: Any) -> dict[str, Any]:
         finished = self.finished()
         world = dist.get_world_size()
         states = [_read_rng(r) for r in range(world)]
@@ -81,59 +76,57 @@ class LiveState:
         payload = build_payload(max(finished - 1, 0), world, components, states, None)
         payload["extra"] = self.checkpointer.extra
         payload["sampler"] = self.sampler.handed()  # as of the last finished step
-        engines = [engine.state(recovery) for engine in live.engines()]
-        bundle = {"payload": payload, "finished": finished, "engines": engines}
-        return {**bundle, "save": self.interrupted_save}
+        engines = [engine.state(recovery) for engine in registry.engines()]
+        return {"payload": payload, "finished": finished, "engines": engines, "save": interrupted}
 
     def post_rng(self) -> None:
         """This rank's generators, as they stand between two steps, kept in the store."""
-        live.store().set(RNG_KEY.format(rank=dist.get_rank()), live_wire.pack(rng.capture()))
+        key = keys.RNG.format(rank=dist.get_rank())
+        registry.store().set(key, wire.pack(rng.capture()))
 
 
-def register(checkpointer: Any, model: nn.Module, components: dict, step: int | None):
+def register(checkpointer: Any, model: nn.Module, components: dict, step: int | None) -> None:
     """A survivor-to-be: `restore()` returned `step` (None: from scratch)."""
-    engine_steps = live.engines()[0].steps if live.engines() else 0
     finished = 0 if step is None else step + 1
-    _install(LiveState(checkpointer, model, components, finished - engine_steps))
+    _install(LiveState(checkpointer, model, components, finished - registry.steps()))
 
 
 def saved(step: int) -> None:
-    """`Checkpointer.save(step)` in live mode: check the script's count against the engine's."""
-    state = live.server()
+    """`Checkpointer.save(step)`: check the script's count against the engine's."""
+    state = registry.server()
     if isinstance(state, LiveState):
         state.saved(step)
 
 
 def _install(state: LiveState) -> None:
     state.post_rng()  # the generators at the first step
-    live.add_after_step(state.post_rng)
-    live.add_after_step(state.sampler.take)
-    live.set_server(state)
+    registry.add_after_step(state.post_rng)
+    registry.add_after_step(state.sampler.take)
+    registry.set_server(state)
 
 
 def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None:
     """The replacement's `restore()`: load the donor's state; returns the last finished step."""
-    _, replaced = regroup.read_announcement(live.store())
-    donor = min(r for r in range(dist.get_world_size()) if r not in replaced)
-    bundle = live_wire.unpack(live_wire.broadcast(None, donor))
+    donor = registry.donor_of()
+    bundle = wire.unpack(wire.broadcast(None, donor))
     payload = bundle["payload"]
     load_model(model, payload["model"], SOURCE)
     for name, component in components.items():
         if component is not None:
             load_component(component, payload.get(name), name, SOURCE)
-    live_sampler.received(components.get("sampler"))
+    received(components.get("sampler"))
     rng.restore(payload["rng"][dist.get_rank()])
     checkpointer.extra = payload.get("extra")
-    continues = live_sampler.continues(payload.get("sampler"))
-    live.adopt_received([{**state, "continues": continues} for state in bundle["engines"]])
+    passes_continue = continues(payload.get("sampler"))
+    registry.adopt_received([{**s, "continues": passes_continue} for s in bundle["engines"]])
     finished = int(bundle["finished"])
     engine_steps = int(bundle["engines"][0]["steps"]) if bundle["engines"] else 0
     _install(LiveState(checkpointer, model, components, finished - engine_steps))
-    live.post_joined()
-    live_save.finish(checkpointer, model, components, bundle.get("save"))
+    registry.post_joined()
+    save.finish(checkpointer, model, components, bundle.get("save"))
     return finished - 1 if finished > 0 else None
 
 
 def _read_rng(rank: int) -> Any:
-    store, key = live.store(), RNG_KEY.format(rank=rank)
-    return live_wire.unpack(store.get(key)) if store.check([key]) else None
+    store, key = registry.store(), keys.RNG.format(rank=rank)
+    return wire.unpack(store.get(key)) if store.check([key]) else None

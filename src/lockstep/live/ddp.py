@@ -1,47 +1,49 @@
-"""The DDP engine's part in live recovery (`live/registry.py`): hand over, adopt, regroup.
+"""The DDP engine's part in live recovery: hand over, adopt, regroup.
 
+Attached when a `lockstep.DistributedDataParallel` is wrapped (`lockstep.live`): it
+fills the backward driver's slot (`live/steps.py`) and registers with the registry.
 A survivor hands a replacement what the engine itself decided during the run and the
-script cannot recompute: the synchronised step count (the step fingerprint's number),
-the bucket layout after the one rebuild, the configuration a past `Join` left (torch
-keeps it: every later forward notifies the context), and with buffers broadcast at
-every forward, the buffers the replacement starts from (`live/buffers.py`). After a survivor
-re-forms the default group, every reference the engine holds to the old one is
-replaced (`regroup`).
-Modes that keep more state, or run collectives the replacement cannot match at its
-first step, are refused with the reason, and the launcher restarts the group instead.
+script cannot recompute: the synchronised step count (the step fingerprint's
+number), the bucket layout after the one rebuild, the configuration a past `Join`
+left (torch keeps it: every later forward notifies the context), and with buffers
+broadcast at every forward, the buffers the replacement starts from
+(`live/buffers.py`). After a survivor re-forms the default group, the engine runs
+on the new one (`use_process_group`). Modes that keep more state, or run collectives
+the replacement cannot match at its first step, are refused with the reason, and
+the launcher restarts the group instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
 
-from lockstep.engine import join
+from lockstep.live import rebuild, registry
 from lockstep.live.buffers import LiveBuffers
-from lockstep.live import registry as live
+from lockstep.live.steps import LiveSteps
+from lockstep.runtime.recovery import Point
 from lockstep.runtime.transport import NATIVE
 
 
 class LiveDDP:
-    """One `lockstep.DistributedDataParallel` as `live/registry.py` sees it."""
+    """One `lockstep.DistributedDataParallel` as the registry sees it."""
 
-    def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel (imports us)
+    def __init__(self, ddp: Any) -> None:  # a lockstep.DistributedDataParallel
         self.ddp = ddp
         self.passes = 0  # data passes as of the last finished step (`runtime/data_passes.py`)
         self.buffers = LiveBuffers(ddp)
         driver = ddp.reducer.driver
+        driver.recovery = LiveSteps(self.buffers.post)
         if driver.data_passes is not None:
             driver.end_of_step.append(self._note_passes)
 
     @classmethod
-    def registered(cls, ddp: Any) -> LiveDDP:
-        """A new wrapper's part, registered with `live/registry.py` (which may adopt now)."""
+    def attach(cls, ddp: Any) -> LiveDDP:
+        """A new wrapper's part, registered (a replacement may adopt its state now)."""
         engine = cls(ddp)
-        live.register_engine(engine)
+        registry.register_engine(engine)
         return engine
 
     def _note_passes(self) -> None:
@@ -58,35 +60,32 @@ class LiveDDP:
 
     def refusal(self) -> str | None:
         """Why this wrapper cannot be recovered live in this version, or None."""
-        ddp, args = self.ddp, self.ddp._args
+        ddp, args = self.ddp, self.ddp.arguments
         checks = [
-            (args.process_group is not None or args.device_mesh is not None,
-             "a process group other than the default one"),
+            (
+                args.process_group is not None or args.device_mesh is not None,
+                "a process group other than the default one",
+            ),
             (args.allreduce != NATIVE, f"allreduce={args.allreduce!r} (native only)"),
             (ddp.find_unused_parameters, "find_unused_parameters=True"),
             (args.static_graph, "static_graph=True"),
             (ddp.mixed_precision is not None, "mixed_precision"),
-            (ddp._delayed is not None, "delay_all_reduce_named_params"),
-            (getattr(ddp, "_hooked", False), "a communication hook"),
-        ]  # fmt: skip
+            (ddp.delays_all_reduce, "delay_all_reduce_named_params"),
+            (ddp.has_comm_hook, "a communication hook"),
+        ]
         for refused, what in checks:
             if refused:
                 return f"live recovery does not yet cover DistributedDataParallel with {what}"
         return None
 
-    def after_forward(self) -> None:
-        """A synchronised forward ran (rank 0 posts its buffers, `live/buffers.py`)."""
-        self.buffers.post()
-
-    def state(self, recovery: live.Recovery) -> dict[str, Any]:
-        reducer = self.ddp.reducer
-        groups, rebuilt, ready = reducer.live_layout(recovery)
-        steps = reducer.driver.steps
+    def state(self, recovery: registry.Recovery) -> dict[str, Any]:
+        groups, rebuilt, ready = self._layout(recovery)
+        steps = self.steps
         state = {"steps": steps, "groups": groups, "rebuilt": rebuilt, "passes": self.passes}
         state["ready"] = [] if recovery.within_step else ready  # inside a step: its own
         if self.buffers.active():
             state["buffers"] = self.buffers.state(recovery)
-        config = self.ddp._join_config  # torch keeps a Join's config after the context:
+        config = self.ddp.join_config  # torch keeps a Join's config after the context:
         state["join"] = {  # each forward then notifies it, and the replacement must too
             "enable": config.enable,
             "throw_on_early_termination": config.throw_on_early_termination,
@@ -95,6 +94,18 @@ class LiveDDP:
             "resumed": recovery.opened,  # the survivors sent this step's notices already
         }
         return state
+
+    def _layout(self, recovery: registry.Recovery) -> tuple[list[list[int]], bool, list[int]]:
+        """The bucket layout in use, whether the one rebuild happened, and the ready order
+        it will use if not. A loss met in the rebuild's broadcast is recovered as at the
+        start of step 2, and a peer may be past it while this rank is between steps
+        (`recovery.opened`): the layout is then the rebuilt one."""
+        reducer = self.ddp.reducer
+        in_rebuild = recovery.within_step and recovery.point is Point.REBUILD
+        if in_rebuild or (recovery.opened and not recovery.within_step and reducer.rebuild_due()):
+            return reducer.groups_for(rebuild.agreed(reducer.ready_order)), True, []
+        groups = [list(g) for g in reducer.layout.groups]
+        return groups, reducer.rebuilt, [] if reducer.rebuilt else reducer.ready_order
 
     def adopt(self, state: dict[str, Any]) -> None:
         """A replacement takes a survivor's step count and bucket layout."""
@@ -108,46 +119,42 @@ class LiveDDP:
             self.buffers.adopt(state["buffers"])
         config = dict(state["join"])
         self.ddp.divide_by_initial_world_size = config.pop("divide")
-        self.ddp.join_resumed = config.pop("resumed") and config["enable"]
-        self.ddp._join_config = _JoinConfig(**config)
+        if config.pop("resumed") and config["enable"]:  # its peers notified in this step
+            registry.take(Point.JOIN_NOTICES, None)
+        self.ddp.join_config = _JoinConfig(**config)
+
+    def broadcast_done(self) -> None:
+        """The buffer broadcast completed: keep what every rank now holds."""
+        self.buffers.keep()
+
+    def met_loss(self, point: Point) -> Any:
+        """This rank met a loss in an opening broadcast (recovered as at the step's start):
+        what it carries, and the rest of the forward's openings taken."""
+        if point is Point.REBUILD:
+            order = rebuild.posted()
+            self.skip_opening(rebuilt=True)
+            return order
+        value = self.buffers.lost_in_broadcast()  # the buffers' broadcast
+        if self.ddp.join_config.enable:  # this forward's notices: nobody sends them again
+            registry.take(Point.JOIN_NOTICES, None)
+        return value
 
     def recovered_before_forward(self) -> None:
         """A loss met before this process's first forward, recovered as at the start of
-        the step (the sampler's agreement, `live/agreement.py`)."""
+        the step (the data's agreement, `data/agreement.py`)."""
         self.buffers.recovered_before_forward()
 
-    def catch_up(self) -> None:
-        """This rank recovered between steps while a peer was already past the next
-        step's opening broadcasts (`live/registry.py` `Recovery.opened`): take what they
-        carry instead of running them."""
-        self.ddp.reducer.catch_up_rebuild()
-        self.skip_opening()
-
-    @contextlib.contextmanager
-    def opening(self) -> Iterator[None]:
-        """This rank is in its forward's first collective, the bucket rebuild's broadcast
-        before the buffers': a hand-over meanwhile gives what the buffer broadcast carries."""
-        self.buffers.in_broadcast = True
-        try:
-            yield
-        finally:
-            self.buffers.in_broadcast = False
-
-    def skip_opening(self) -> None:
-        """Recovered as at the start of a step before the forward's buffer broadcast and
-        Join's notices: take what the broadcast carries, send no notice in that forward
-        (peers past them sent theirs on the group now gone, and nobody shadows them)."""
+    def skip_opening(self, rebuilt: bool) -> None:
+        """Recovered as at the start of a step, before the forward's broadcasts and Join's
+        notices, which peers ran on the group now gone: take what the broadcasts carry
+        and send no notice in that forward. `rebuilt`: the rebuild's broadcast was met
+        (its order is taken already); else a due rebuild takes the posted order too."""
+        if not rebuilt and self.ddp.reducer.rebuild_due():
+            registry.take(Point.REBUILD, rebuild.posted())
         self.buffers.catch_up()
-        join.skip_next_notices(self.ddp)
+        if self.ddp.join_config.enable:
+            registry.take(Point.JOIN_NOTICES, None)
 
     def regroup(self, group: dist.ProcessGroup) -> None:
-        """Point every reference to the old default group at `group`."""
-        ddp = self.ddp
-        ddp.process_group = group
-        reducer = ddp.reducer
-        reducer.group = reducer.driver.group = reducer.driver.fingerprint.group = group
-        ddp.nonfinite.group = group
-        collective: Any = reducer.driver.collective
-        while not hasattr(collective, "transport"):
-            collective = collective.inner
-        collective.transport.process_group = group
+        """Run on the re-formed default group."""
+        self.ddp.use_process_group(group)

@@ -17,12 +17,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lockstep.env import read_variable
+from lockstep.live import keys
 
 LIVE_VARIABLE = "LOCKSTEP_LIVE"  # "1": the launcher replaces a lost worker live
 GENERATION_VARIABLE = "LOCKSTEP_LIVE_GENERATION"  # set in a replacement: its generation
-ANNOUNCE_KEY = "lockstep/live/generation"  # {"generation": g, "replaced": [ranks]}
-READY_KEY = "lockstep/live/ready/{rank}"  # "" (recoverable) or the reason it is not
-JOINED_KEY = "lockstep/live/joined/{generation}/{rank}"
 POLL_S = 0.05
 
 
@@ -56,15 +54,11 @@ def worker_store(timeout: timedelta) -> dist.Store:
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-def generation_prefix(generation: int) -> str:
-    return f"lockstep/live/gen{generation}/"
-
-
 def join(store: dist.Store, generation: int, rank: int, world_size: int, timeout: timedelta):
     """Make the default gloo group of `generation` (every member calls this)."""
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(generation_prefix(generation), store),
+        store=dist.PrefixStore(keys.GROUP.format(generation=generation), store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,
@@ -81,9 +75,9 @@ def reform(store: dist.Store, generation: int, timeout: timedelta) -> dist.Proce
 
 def read_announcement(store: dist.Store) -> tuple[int, list[int]]:
     """(generation, replaced ranks) as the launcher announced them; (0, []) before any."""
-    if not store.check([ANNOUNCE_KEY]):
+    if not store.check([keys.GENERATION]):
         return 0, []
-    value = json.loads(store.get(ANNOUNCE_KEY).decode())
+    value = json.loads(store.get(keys.GENERATION).decode())
     return int(value["generation"]), [int(r) for r in value["replaced"]]
 
 

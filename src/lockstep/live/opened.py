@@ -7,7 +7,7 @@ would run that broadcast again with the replacement, and the peer past it would 
 So at each recovery every survivor posts, for the new generation, its finished steps
 and whether it recovers inside a step, and reads everyone's: if one with the same
 finished steps is inside the next step (or at its start), the next step's opening
-broadcasts are not run again by anyone (`live/registry.py` `Recovery.opened`).
+broadcasts are not run again by anyone (`Recovery.opened`, `live/registry.py`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lockstep.errors import LockstepError
-
-KEY = "lockstep/live/at/gen{generation}/{rank}"
+from lockstep.live import keys, lines
 
 
 def opened(
@@ -35,17 +33,18 @@ def opened(
     Raises:
         LockstepError: a survivor did not post where it recovers within the bound.
     """
-    store.set(KEY.format(generation=generation, rank=dist.get_rank()), f"{steps} {within_step:d}")
+    store.set(
+        keys.AT.format(generation=generation, rank=dist.get_rank()), f"{steps} {within_step:d}"
+    )
     survivors = [r for r in range(dist.get_world_size()) if r not in replaced]
-    keys = [KEY.format(generation=generation, rank=r) for r in survivors]
+    posts = [keys.AT.format(generation=generation, rank=r) for r in survivors]
     try:
-        store.wait(keys, timedelta(seconds=wait_s))
+        store.wait(posts, timedelta(seconds=wait_s))
     except RuntimeError as error:  # torch's store raises on its timeout
-        missing = [r for r, key in zip(survivors, keys, strict=True) if not store.check([key])]
-        raise LockstepError(
-            f"live recovery: rank {dist.get_rank()} waited {wait_s:.0f} s for survivor(s) "
-            f"{missing} to say where they recover in generation {generation}; falling back "
-            "to the whole-group restart"
+        missing = [r for r, key in zip(survivors, posts, strict=True) if not store.check([key])]
+        raise lines.fallback(
+            f"rank {dist.get_rank()} waited {wait_s:.0f} s for survivor(s) {missing} to say "
+            f"where they recover in generation {generation}"
         ) from error
-    seen = [tuple(map(int, store.get(key).decode().split())) for key in keys]
+    seen = [tuple(map(int, store.get(key).decode().split())) for key in posts]
     return within_step or any(within and at == steps for at, within in seen)

@@ -10,16 +10,15 @@ resumes, and names in one line on its stderr what nobody could hand it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.live import keys, lines
 from lockstep.live import wire as live_wire
 
-HANDOVER_KEY = "lockstep/live/handover/{rank}"  # "plain" or "checkpointer"
 NOT_RESTORED = (
     "the optimizer's state, the random state, the data position, the learning-rate "
     "schedule and anything else the script keeps"
@@ -28,24 +27,26 @@ NOT_RESTORED = (
 
 def post_handover(store: dist.Store, rank: int, plain: bool) -> None:
     """Say which hand-over this rank would serve as a donor."""
-    store.set(HANDOVER_KEY.format(rank=rank), "plain" if plain else "checkpointer")
+    store.set(keys.HANDOVER.format(rank=rank), "plain" if plain else "checkpointer")
 
 
 def donor_is_plain(store: dist.Store, donor: int) -> bool:
-    key = HANDOVER_KEY.format(rank=donor)
+    key = keys.HANDOVER.format(rank=donor)
     return store.check([key]) and store.get(key).decode() == "plain"
 
 
 class PlainServer:
     """A survivor's plain hand-over: the engine's module state and the engines' states."""
 
-    def __init__(self, engines: Sequence[Any]) -> None:  # `live/registry.py`'s LiveEngines
+    def __init__(self, engines: Sequence[Any]) -> None:  # the registry's LiveEngines
         self.engines = list(engines)
 
     def refusal(self) -> str | None:
         return None
 
-    def serve(self, donor: int, recovery: Any) -> None:  # `live/registry.py`'s Recovery
+    def serve(self, donor: int, recovery: Any, interrupted: Any) -> None:
+        """The donor broadcasts the module's state and the engines' (no save runs again:
+        without `restore()` no save was ever handed over)."""
         blob = None
         if dist.get_rank() == donor:
             bundle = {
@@ -61,12 +62,9 @@ def receive(module: nn.Module, donor: int) -> list[dict[str, Any]]:
     bundle = live_wire.unpack(live_wire.broadcast(None, donor))
     module.load_state_dict(bundle["model"])
     finished = int(bundle["engines"][0]["steps"])
-    print(
-        f"lockstep [rank {dist.get_rank()}]: live recovery without Checkpointer.restore(): "
-        f"received the weights, buffers and step count ({finished} steps finished, "
-        f"`ddp.finished_steps`) from rank {donor}; not restored: {NOT_RESTORED} (hand them "
-        "to Checkpointer.restore() to have them handed over)",
-        file=sys.stderr,
-        flush=True,
+    lines.say(
+        f"without Checkpointer.restore(): received the weights, buffers and step count "
+        f"({finished} steps finished, `ddp.finished_steps`) from rank {donor}; not restored: "
+        f"{NOT_RESTORED} (hand them to Checkpointer.restore() to have them handed over)"
     )
     return bundle["engines"]

@@ -1,22 +1,22 @@
-"""Live recovery in the runtime: a survivor keeps its step, a replacement takes its place.
+"""What live recovery knows of this process: its engines, its state server, its generation.
 
-Under `lockstep run --live-recovery` (docs/multinode.md, "Live recovery"):
+Under `lockstep run --live-recovery` (docs/multinode.md):
 
-| who | when | what |
-|---|---|---|
-| `BackwardDriver` | a bucket launches | `live_steps.py` `keep`: copy its local gradients |
-| `BackwardDriver` | a wait failed | `live_steps.py` `recover`: new group, serve, run again |
-| `Monitor` (between steps) | its collective failed | `live_between.py`: new group, serve |
-| an engine, a Checkpointer | built / restored | register, `declare` in the store |
+- an engine is wrapped: `lockstep.live` attaches its part, which registers here
+  (`register_engine`) and declares in the store whether this rank is recoverable;
+- `Checkpointer.restore()`: its components become what a hand-over sends (`set_server`);
+- a recovery point meets a lost rank: `rejoin` the next generation, then `hand_over`
+  (the donor sends the state).
 
-The registry is per process on purpose: the recovery runs inside autograd's callback,
-far from the script's objects, and a process has one default group to re-form.
+The registry is per process on purpose: a recovery runs inside autograd's callback
+or a collective's wait, far from the script's objects, and a process has one default
+group to re-form. The openings a recovery pre-empted (`taken`) are part of where the
+process stands: a rank recovered at a step's start does not run that step's opening
+collectives again, it takes what they carry.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,11 +24,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lockstep.live import group as regroup
-from lockstep.env import read_seconds, read_timeout, read_variable
+from lockstep.env import read_seconds, read_timeout
+from lockstep.live import group, keys, lines, opened, plain
 from lockstep.runtime import waits
-from lockstep.live import opened as live_opened
-from lockstep.live import plain as live_plain
+from lockstep.runtime.recovery import Point, Position, Where
 
 ANNOUNCE_WAIT_VARIABLE = "LOCKSTEP_LIVE_ANNOUNCE_S"  # how long a survivor waits for one
 DEFAULT_ANNOUNCE_WAIT_S = 30.0
@@ -40,22 +39,27 @@ SHARDED_REFUSAL = (
 
 @dataclass(frozen=True)
 class Recovery:
-    """Where the survivors recover: what the donor's hand-over depends on.
+    """One recovery as the donor's hand-over sees it.
 
     Args:
         replaced: the ranks started again.
-        within_step: True when the survivors finish an interrupted step with the
-            replacement (it resumes at that step); False between two steps (it resumes
-            at the next one).
+        position: where the donor met the loss (a recovery point, or inside a step).
         opened: a survivor is already at the start of the next step or inside it, past
-            its opening broadcasts (the buffers', the bucket rebuild's), which nobody
-            runs again: survivors between steps and the replacement take what they carry
-            (`catch_up`; `live/opened.py`). Always True within a step.
+            its opening broadcasts, which nobody runs again (`live/opened.py`).
     """
 
     replaced: tuple[int, ...]
-    within_step: bool
+    position: Position
     opened: bool = False
+
+    @property
+    def within_step(self) -> bool:
+        """The survivors finish a step with the replacement (it resumes at that step)."""
+        return self.position.where in (Where.INSIDE, Where.OPENING)
+
+    @property
+    def point(self) -> Point | None:
+        return self.position.point
 
 
 class LiveEngine(Protocol):
@@ -69,26 +73,27 @@ class LiveEngine(Protocol):
     def adopt(self, state: dict[str, Any]) -> None: ...
     def regroup(self, group: dist.ProcessGroup) -> None: ...
     def recovered_before_forward(self) -> None: ...
-    def catch_up(self) -> None: ...
-    def opening(self) -> contextlib.AbstractContextManager[None]: ...
-    def skip_opening(self) -> None: ...
+    def skip_opening(self, rebuilt: bool) -> None: ...
+    def broadcast_done(self) -> None: ...
+    def met_loss(self, point: Point) -> Any: ...
 
 
 class StateServer(Protocol):
     """The script's state (a Checkpointer's components): sent by a survivor to replacements."""
 
     def refusal(self) -> str | None: ...
-    def serve(self, donor: int, recovery: Recovery) -> None: ...
+    def serve(self, donor: int, recovery: Recovery, save: Any) -> None: ...
 
 
 @dataclass
 class _Registry:
-    generation: int = field(default_factory=regroup.start_generation)
+    generation: int = field(default_factory=group.start_generation)
     engines: list[LiveEngine] = field(default_factory=list)
     server: StateServer | None = None
-    refusals: list[str] = field(default_factory=list)  # engines that cannot recover live
+    refusals: list[str] = field(default_factory=list)  # reasons this rank is not recoverable
     pending: list[dict[str, Any]] | None = None  # engine states received before the engine
     after_step: list[Callable[[], None]] = field(default_factory=list)
+    taken: dict[Point, Any] = field(default_factory=dict)  # openings pre-empted: their values
     store: dist.Store | None = None
 
 
@@ -96,26 +101,26 @@ _live = _Registry()
 
 
 def reset() -> None:
-    """A fresh registry, its generation read again (`lockstep.launch.recovery.standby`: a spare
-    imported this module before the launcher gave it a rank and a generation)."""
+    """A fresh registry, its generation read again (`lockstep.launch.recovery.standby`: a
+    spare imported this module before the launcher gave it a rank and a generation)."""
     global _live
     _live = _Registry()
 
 
 def enabled() -> bool:
     """True under `lockstep run --live-recovery`."""
-    return regroup.live_enabled()
+    return group.live_enabled()
 
 
 def joining() -> bool:
     """True in a replacement that has not yet received its state from a survivor."""
-    return regroup.joining()
+    return group.joining()
 
 
 def store() -> dist.Store:
     """This worker's client of the launcher's worker store (made once)."""
     if _live.store is None:
-        _live.store = regroup.worker_store(read_timeout())
+        _live.store = group.worker_store(read_timeout())
     return _live.store
 
 
@@ -123,31 +128,31 @@ def engines() -> list[LiveEngine]:
     return list(_live.engines)
 
 
+def steps() -> int:
+    """Synchronised steps the engine finished (0 before one is registered)."""
+    return _live.engines[0].steps if _live.engines else 0
+
+
 def register_engine(engine: LiveEngine) -> None:
     """An engine was built; a replacement adopts the state it received already."""
     _live.engines.append(engine)
     if _live.pending is not None and len(_live.pending) == len(_live.engines):
         engine.adopt(_live.pending[-1])
-    elif joining() and live_plain.donor_is_plain(store(), donor := donor_of()):
-        adopt_received(live_plain.receive(engine.module, donor))  # no restore() will come
+    elif joining() and plain.donor_is_plain(store(), donor := donor_of()):
+        adopt_received(plain.receive(engine.module, donor))  # no restore() will come
         post_joined()
     declare()
 
 
-def register_refusal(reason: str) -> None:
-    """An engine that cannot be recovered live: the launcher restarts the group instead."""
+def refuse(reason: str, held: bool = False) -> None:
+    """This rank cannot be recovered live (`held`: until `release(reason)`, as DDP's Join)."""
+    if held and (reason in _live.refusals or not enabled()):
+        return
     _live.refusals.append(reason)
     declare()
 
 
-def hold_refusal(reason: str) -> None:
-    """A refusal while a mode lasts (DDP's Join): declared now, until `release_refusal`."""
-    if reason not in _live.refusals and enabled():
-        _live.refusals.append(reason)
-        declare()
-
-
-def release_refusal(reason: str) -> None:
+def release(reason: str) -> None:
     if reason in _live.refusals:
         _live.refusals.remove(reason)
         declare()
@@ -163,13 +168,27 @@ def set_server(server: StateServer) -> None:
 
 
 def add_after_step(action: Callable[[], None]) -> None:
-    """Run `action` at the end of every synchronised step (the RNG copy)."""
+    """Run `action` at the end of every synchronised step (the random state's copy)."""
     _live.after_step.append(action)
 
 
 def after_step() -> None:
     for action in _live.after_step:
         action()
+
+
+def take(point: Point, value: Any) -> None:
+    """Peers ran `point` (an opening of the coming step) already: this rank takes `value`
+    (None: keeps what it holds) instead of running it."""
+    _live.taken[point] = value
+
+
+def taken(point: Point, consume: bool = True) -> tuple[bool, Any]:
+    """(whether `point` was taken, its value); `consume` forgets it."""
+    if point not in _live.taken:
+        return False, None
+    value = _live.taken.pop(point) if consume else _live.taken[point]
+    return True, value
 
 
 def refusal() -> str | None:
@@ -183,7 +202,7 @@ def refusal() -> str | None:
             f"live recovery needs exactly one lockstep.DistributedDataParallel; found "
             f"{len(_live.engines)}"
         )
-    server = _live.server  # None: no restore(), the plain hand-over (`live_plain.py`)
+    server = _live.server  # None: no restore(), the plain hand-over (`live/plain.py`)
     return _live.engines[0].refusal() or (server.refusal() if server is not None else None)
 
 
@@ -191,23 +210,24 @@ def declare() -> None:
     """Post in the launcher's store whether this rank is recoverable ("" or the reason)."""
     if not enabled() or not dist.is_initialized():
         return
-    key = regroup.READY_KEY.format(rank=dist.get_rank())
-    live_plain.post_handover(store(), dist.get_rank(), plain=_live.server is None)
-    store().set(key, refusal() or "")
+    rank = dist.get_rank()
+    plain.post_handover(store(), rank, plain=_live.server is None)
+    store().set(keys.READY.format(rank=rank), refusal() or "")
 
 
 def adopt_received(states: list[dict[str, Any]]) -> None:
     """A replacement received the engines' states: adopt them now or when built."""
     _live.pending = states
-    regroup.mark_received()
+    group.mark_received()
     for engine, state in zip(_live.engines, states, strict=False):
         engine.adopt(state)
 
 
 def donor_of(replaced: list[int] | None = None) -> int:
-    """The lowest surviving rank, which sends the state."""
+    """The lowest surviving rank: it sends the state, and posts for the others where rank
+    0 is lost. The one place this rule is written."""
     if replaced is None:
-        _, replaced = regroup.read_announcement(store())
+        _, replaced = group.read_announcement(store())
     return min(r for r in range(dist.get_world_size()) if r not in replaced)
 
 
@@ -221,44 +241,39 @@ def rejoin(error: BaseException) -> list[int]:
         raise error
     wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
     try:
-        new, replaced = regroup.await_generation(store(), _live.generation, wait_s)
+        new, replaced = group.await_generation(store(), _live.generation, wait_s)
     except TimeoutError:
         raise error from None
-    group = regroup.reform(store(), new, read_timeout())
+    regrouped = group.reform(store(), new, read_timeout())
     _live.generation = new
     for engine in _live.engines:
-        engine.regroup(group)
+        engine.regroup(regrouped)
     return replaced
 
 
-def hand_over(replaced: list[int], within_step: bool) -> None:
+def hand_over(replaced: list[int], position: Position, save: Any = None) -> Recovery:
     """Survivors, after `rejoin`: the donor sends the state; then this rank has joined.
 
     Args:
         replaced: what `rejoin` returned.
-        within_step: the survivors run the interrupted step again (`Recovery`).
+        position: where this rank met the loss.
+        save: an interrupted save the replacement runs again (`live/save.py`).
     """
-    steps = _live.engines[0].steps if _live.engines else 0
     wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
-    opened = live_opened.opened(store(), _live.generation, steps, replaced, within_step, wait_s)
-    recovery = Recovery(tuple(replaced), within_step, opened)
-    server = _live.server or live_plain.PlainServer(_live.engines)
-    server.serve(donor_of(replaced), recovery)
-    if recovery.opened and not within_step:
+    recovery = Recovery(tuple(replaced), position)
+    at = opened.opened(store(), _live.generation, steps(), replaced, recovery.within_step, wait_s)
+    recovery = Recovery(recovery.replaced, position, at)
+    server = _live.server or plain.PlainServer(_live.engines)
+    server.serve(donor_of(replaced), recovery, save)
+    if recovery.opened and not recovery.within_step:
         for engine in _live.engines:
-            engine.catch_up()
-        print(
-            f"lockstep [rank {dist.get_rank()}]: live recovery: a peer is already past the "
-            "start of the next step: its opening broadcasts are taken from rank 0's posts",
-            file=sys.stderr,
-            flush=True,
+            engine.skip_opening(rebuilt=False)
+        lines.say(
+            "a peer is already past the start of the next step: its opening broadcasts are "
+            "taken from rank 0's posts"
         )
     post_joined()
-
-
-def round_key(name: str) -> str:
-    """A store key of this rendezvous round (the launcher's store outlives a restart)."""
-    return f"lockstep/live/round{read_variable('TORCHELASTIC_RESTART_COUNT') or '0'}/{name}"
+    return recovery
 
 
 def generation() -> int:
@@ -267,7 +282,7 @@ def generation() -> int:
 
 def post_joined() -> None:
     """Tell the launcher this rank is in the new generation with its state."""
-    key = regroup.JOINED_KEY.format(generation=_live.generation, rank=dist.get_rank())
+    key = keys.JOINED.format(generation=_live.generation, rank=dist.get_rank())
     store().set(key, "1")
 
 
@@ -275,7 +290,7 @@ def announced() -> None:
     """A wait's check: a newer generation was announced, so a rank was lost: stop waiting.
 
     On several nodes, a rank whose neighbours in the collective survived sees no error."""
-    generation, replaced = regroup.read_announcement(store())
+    generation, replaced = group.read_announcement(store())
     if generation > _live.generation:
         raise waits.Interrupted(
             f"generation {generation} was announced while this rank waited (rank(s) "

@@ -1,79 +1,81 @@
-"""The backward driver's part in live recovery: the step's local gradients kept, the
-interrupted step finished with the new generation.
+"""Live recovery inside a step: the driver's slot (`BackwardDriver.recovery`).
 
-`BackwardDriver` (`runtime/driver.py`) copies each bucket's local gradients when it
-launches it (`keep`); when a wait of the step fails because a rank was lost,
-`recover` joins the next generation (`live/registry.py`), lets the donor hand the
-state over, and runs the step's fingerprint and buckets again from the copies, with
-the replacement, which resumes at this step. docs/multinode.md, "Live recovery".
+The backward driver (`runtime/driver.py`) holds one slot for "a rank was lost"; the
+wing fills it when an engine is wrapped. Each bucket's local gradients are copied
+when it launches (`launching`), since its all-reduce overwrites them. When a wait of
+the step fails because a rank was lost, `lost` joins the next generation, lets the
+donor hand the state over, and runs the step's fingerprint and buckets again from
+the copies, with the replacement, which resumes at this step.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from lockstep.errors import LockstepError
+from lockstep.live import lines, registry
 from lockstep.runtime import waits
-from lockstep.live import registry as live
+from lockstep.runtime.recovery import Position
 
 if TYPE_CHECKING:
     from lockstep.runtime.bucket import Bucket
-    from lockstep.runtime.bucket_collective import BucketCollective
-    from lockstep.runtime.fingerprint import StepFingerprint
+    from lockstep.runtime.driver import BackwardDriver
     from lockstep.runtime.step import StepState
 
 
-class Driver(Protocol):
-    """What the recovery uses of `BackwardDriver` (which imports this module)."""
-
-    buckets: list[Bucket]
-    collective: BucketCollective
-    fingerprint: StepFingerprint
-    sink: Any
-    steps: int
-
-
 class LiveSteps:
-    """One driver's part: copies of the step's local gradients, and the recovery."""
+    """One driver's slot: copies of the step's local gradients, and the recovery.
 
-    def __init__(self) -> None:
+    Args:
+        armed: run after each synchronised forward (rank 0 posts its buffers).
+    """
+
+    def __init__(self, armed: Callable[[], None]) -> None:
         self.kept: dict[int, torch.Tensor] = {}  # by launch position, reused step to step
-        waits.interrupt_with(live.announced)
+        self.armed = armed
 
-    def keep(self, position: int, buffer: torch.Tensor) -> None:
+    def launching(self, position: int, bucket: Bucket) -> None:
         """A bucket is about to be launched: copy its local (not yet reduced) gradients.
 
         The copy goes into the buffer of the last step's bucket at that position (no
         allocation per step: a fresh gradient-sized tensor each step costs page faults).
         """
+        buffer = bucket.buffer
         kept = self.kept.get(position)
         if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
             self.kept[position] = buffer.clone()
         else:
             kept.copy_(buffer)
 
-    def recover(self, driver: Driver, step: StepState, error: BaseException) -> None:
+    def layout_changed(self) -> None:
+        """The buckets were rebuilt: the copies were the old layout's."""
+        self.kept.clear()
+
+    def finished(self) -> None:
+        """A synchronised step ended (the random state's and the sampler's copies)."""
+        registry.after_step()
+
+    def lost(self, driver: BackwardDriver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
         if isinstance(error, LockstepError):
             raise error
         start = time.monotonic()
-        replaced = live.rejoin(error)
-        live.hand_over(replaced, within_step=True)
+        replaced = registry.rejoin(error)
+        registry.hand_over(replaced, Position(None, driver.steps + 1))
         self._relaunch(driver, step)
-        print(
-            f"lockstep [rank {dist.get_rank()}]: live recovery: generation "
-            f"{live.generation()}, rank(s) {replaced} replaced; step {driver.steps + 1} "
-            f"finished again after {time.monotonic() - start:.2f} s standing still",
-            file=sys.stderr,
-            flush=True,
+        lines.recovered(
+            registry.generation(),
+            replaced,
+            f"inside step {driver.steps + 1}",
+            f"step {driver.steps + 1} finished again",
+            time.monotonic() - start,
         )
 
-    def _relaunch(self, driver: Driver, step: StepState) -> None:
+    def _relaunch(self, driver: BackwardDriver, step: StepState) -> None:
         """The step's fingerprint and buckets again, from the kept local gradients."""
         driver.fingerprint.launch(step.fingerprint)
         last = len(driver.buckets) - 1

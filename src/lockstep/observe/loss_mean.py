@@ -7,7 +7,7 @@ distance from the interval's last step, so a rank that joined inside the interva
 (a live replacement, docs/multinode.md) sends fewer steps in the same message. One
 more slot carries the last step's number: ranks that count steps differently raise
 on every rank rather than averaging different steps together. A rank lost during
-the all-reduce is recovered live (`live/points.py`); that interval's
+the all-reduce is a recovery point (`runtime/recovery.py`); that interval's
 losses are then this rank's own.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.errors import RankMismatchError
-from lockstep.live.points import between_steps
+from lockstep.runtime import recovery
 
 
 def mean_over_ranks(
@@ -50,8 +50,13 @@ def mean_over_ranks(
         table[0, index] = torch.stack(values).to(torch.float64)  # no host sync yet
         table[1, index] = 1.0
     table[:, slots] = torch.tensor([float(steps[-1]), 1.0], dtype=torch.float64)
-    everyone = world_size > 1 and between_steps(
-        dist.all_reduce(table, group=group, async_op=True), "the Monitor's loss average"
+    everyone = (
+        world_size > 1
+        and recovery.run(
+            recovery.Point.LOSS_MEAN,
+            steps[-1],
+            lambda: dist.all_reduce(table, group=group, async_op=True),
+        ).ran
     )  # False: a rank was lost in it and recovered live; this rank's own losses then
     sums, counts = table.tolist()
     if everyone and sums[slots] != world_size * steps[-1]:

@@ -35,11 +35,9 @@ from lockstep.observe.loss_mean import mean_over_ranks
 from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summarize
 from lockstep.observe.straggler import StragglerReport, StragglerWatch
 from lockstep.observe.trace import TraceRecorder, merge_traces
-from lockstep.live import registry as live
-from lockstep.live.points import between_steps
+from lockstep.runtime import recovery
 
 METRICS_FILE = "metrics.jsonl"
-CLOSING = "the Monitor's closing barrier"
 PathLike = str | os.PathLike[str]
 
 
@@ -202,11 +200,11 @@ class Monitor:
         self._pending.append((metrics, loss.detach() if torch.is_tensor(loss) else loss))
         if self.console is not None:
             self.console.step()
-        generation = live.generation()
+        recoveries = recovery.recoveries()
         if metrics.step % self.log_every == 0:
             self.flush()
         if self.straggler_every and metrics.step % self.straggler_every == 0:
-            if live.generation() == generation:
+            if recovery.recoveries() == recoveries:
                 self._report_stragglers()
             else:  # recovered in the flush: the replacement starts at the next step
                 self.watch.exchange_skipped()
@@ -268,7 +266,7 @@ class Monitor:
         else:
             trace.write()
         if self.ctx.world_size > 1:  # every rank's file is written; a loss: again, with its
-            while not between_steps(dist.barrier(group=self.group, async_op=True), CLOSING):
+            while not recovery.run(recovery.Point.CLOSING, self.step_count, self._barrier).ran:
                 pass  # replacement, which runs no step and closes its Monitor too
         if not self.ctx.is_main:
             return None
@@ -278,6 +276,9 @@ class Monitor:
             print(f"lockstep trace: not merged: {error}. Copy every rank's file into one "
                   "directory and run `lockstep trace merge DIR`.")  # fmt: skip
             return None
+
+    def _barrier(self) -> dist.Work | None:
+        return dist.barrier(group=self.group, async_op=True)
 
     def _close_local(self) -> None:
         """Remove the optimizer hooks and close this rank's files; no communication."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lockstep.live.points import between_steps
+from lockstep.runtime import recovery
 from lockstep.runtime.step_stats import StepStats
 
 
@@ -167,8 +167,12 @@ class StragglerWatch:
         mine[-len(rows) :, width] = 1.0  # present
         mine = mine.to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-        if not between_steps(work, "the straggler report's exchange"):
+        outcome = recovery.run(
+            recovery.Point.STRAGGLERS,
+            steps[-1] if steps else 0,
+            lambda: dist.all_gather(gathered, mine, group=self.group, async_op=True),
+        )
+        if not outcome.ran:
             return None  # a rank was lost in it and recovered live: no report this window
         stacked = torch.stack(gathered).cpu()  # [ranks, rows, buckets + 2]
         common = stacked[..., width].min(dim=0).values > 0  # a suffix: the steps all ranks have

@@ -15,7 +15,8 @@ bucket's result, write `.grad`). After write-back the driver runs its
 `end_of_step` actions (part of the step: mixed precision's fp32 restore, the
 non-finite check's agreement, a collective that live recovery finishes again like
 the buckets), then its `observers` (read-only: the tracer, the Monitor).
-CUDA streams and live recovery belong here too, so both engines get them.
+CUDA streams belong here too, so both engines get them, and so does the one slot
+live recovery fills (`recovery`, a `StepRecovery`: `lockstep.live` installs it).
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ import torch.distributed as dist
 
 from lockstep.errors import LockstepError, UnusedParametersError
 from lockstep.runtime import waits
-from lockstep.live import registry as live
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
 from lockstep.runtime.data_passes import DataPasses
 from lockstep.runtime.fingerprint import Fingerprint, StepFingerprint
-from lockstep.live.steps import LiveSteps
 from lockstep.runtime.step import StepState
 from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
 from lockstep.runtime.streams import at_backward_end
@@ -59,6 +58,30 @@ class GradientSink(Protocol):
 
     def write_back(self, step: StepState) -> None:
         """Every bucket is reduced: leave the results where the optimizer reads them."""
+        ...
+
+
+class StepRecovery(Protocol):
+    """The slot for "a rank was lost" inside a step (filled by `lockstep.live`)."""
+
+    def launching(self, position: int, bucket: Bucket) -> None:
+        """`bucket` is about to be launched at `position` (its local gradients, as they are)."""
+        ...
+
+    def lost(self, driver: BackwardDriver, step: StepState, error: BaseException) -> None:
+        """A wait of `step` failed: finish the step with the replaced rank(s), or raise."""
+        ...
+
+    def layout_changed(self) -> None:
+        """The buckets changed (the one rebuild)."""
+        ...
+
+    def armed(self) -> None:
+        """A synchronised forward ended: its backward comes next."""
+        ...
+
+    def finished(self) -> None:
+        """A synchronised step ended."""
         ...
 
 
@@ -99,13 +122,23 @@ class BackwardDriver:
         self.graph_open = False  # a finalized step's graph may be backwarded again
         self._micro_batches = 0  # forwards under no_sync() since the last synchronised one
         self._unfinished: str | None = None
-        self.live = LiveSteps() if live.enabled() else None  # `live/steps.py`
+        self.recovery: StepRecovery | None = None  # live recovery's slot (`lockstep.live`)
+
+    def use_group(self, group: dist.ProcessGroup) -> None:
+        """Run every later collective on `group` (the fingerprint's, the buckets')."""
+        self.group = self.fingerprint.group = group
+        collective = self.collective
+        while hasattr(collective, "inner"):  # the checks wrapped around the transport
+            collective = collective.inner
+        transport = getattr(collective, "transport", None)
+        if transport is not None:
+            transport.process_group = group
 
     def use_buckets(self, buckets: Sequence[Bucket], layout_hash: int) -> None:
         """The buckets of the coming steps, in launch order, and their layout's hash."""
         self.buckets, self.layout_hash = list(buckets), layout_hash
-        if self.live is not None:  # the kept copies were the old layout's
-            self.live.kept.clear()
+        if self.recovery is not None:
+            self.recovery.layout_changed()
 
     # ----------------------------------------------------------- forward side
     def check_previous_step(self) -> None:
@@ -127,6 +160,8 @@ class BackwardDriver:
         self._micro_batches = 0
         self.step = StepState.armed(num_params, unused, marks[0], marks[1], mine)
         self.graph_open = False
+        if self.recovery is not None:
+            self.recovery.armed()
         for bucket in self.buckets:
             bucket.reset()
         return self.step
@@ -164,8 +199,8 @@ class BackwardDriver:
             if bucket.pending:
                 return
             bucket.times.launched = time.perf_counter()
-            if self.live is not None:
-                self.live.keep(step.next_bucket, bucket.buffer)
+            if self.recovery is not None:
+                self.recovery.launching(step.next_bucket, bucket)
             bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
             step.in_flight.append(bucket)
             step.next_bucket += 1
@@ -179,9 +214,9 @@ class BackwardDriver:
         try:
             self._wait_step(step)
         except RuntimeError as error:  # a lost rank: recovered live, or raised as before
-            if self.live is None:
+            if self.recovery is None:
                 raise
-            self.live.recover(self, step, error)
+            self.recovery.lost(self, step, error)
         for bucket in self.buckets[: step.next_bucket]:
             bucket.times.done = bucket.handle.done_at if bucket.handle else 0.0
         if step.next_bucket < len(self.buckets):
@@ -198,8 +233,8 @@ class BackwardDriver:
         self._end_step(step)
         for observe in self.observers:
             observe(self.last_stats)
-        if self.live is not None:
-            live.after_step()
+        if self.recovery is not None:
+            self.recovery.finished()
 
     def _end_step(self, step: StepState) -> None:
         """The `end_of_step` actions. One agrees across ranks (the non-finite check): a rank
@@ -210,10 +245,10 @@ class BackwardDriver:
             for action in self.end_of_step:
                 action()
         except RuntimeError as error:
-            if self.live is None or isinstance(error, LockstepError):
+            if self.recovery is None or isinstance(error, LockstepError):
                 raise
             self.steps -= 1  # what the donor hands over: this step is not finished
-            self.live.recover(self, step, error)
+            self.recovery.lost(self, step, error)
             self.sink.write_back(step)
             self.steps += 1
             for action in self.end_of_step:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.errors import LockstepError
-from lockstep.live.group import joining
+from lockstep.runtime.recovery import replacing
 
 
 class MetaDeviceError(LockstepError, ValueError):
@@ -33,7 +33,7 @@ def refuse_meta(module: nn.Module, process_group: dist.ProcessGroup | None, wrap
     world = dist.get_world_size(process_group) if grouped else 1
     flags = torch.zeros(world)
     flags[dist.get_rank(process_group) if grouped else 0] = float(bool(on_meta))
-    if grouped and world > 1 and not joining():  # a live replacement: only its own check
+    if grouped and world > 1 and not replacing():  # a live replacement: only its own check
         dist.all_reduce(flags, group=process_group)
     ranks = [str(r) for r, flag in enumerate(flags.tolist()) if flag]
     if not ranks:

@@ -39,6 +39,13 @@ class Phase(enum.IntEnum):
     WAITING = 2  # step `step`: waiting on collective `index` (the label names it)
     SYNCHRONISED = 3  # step `step` is done; optimizer, data, next forward follow
     CHECKPOINT = 4  # inside Checkpointer.save(step)
+    OPENING = 5  # waiting on a collective that opens step `step` (the label names it)
+    BETWEEN = 6  # waiting on a collective after step `step` (the Monitor's; the label names it)
+
+    @property
+    def waits(self) -> bool:
+        """Whether a worker in this phase waits on a collective (its peers may be stuck)."""
+        return self in (Phase.WAITING, Phase.OPENING, Phase.BETWEEN)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class Record:
 
     def describe(self) -> str:
         """'waiting on gradient bucket 0 of step 3 (all-reduce)' and the like."""
-        if self.phase == Phase.WAITING:
+        if self.phase.waits:
             return f"waiting on {self.label}"
         if self.phase == Phase.BACKWARD:
             return f"in step {self.step}'s backward"

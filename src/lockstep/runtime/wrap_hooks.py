@@ -3,7 +3,8 @@
 An engine calls `wrapped(model)` at the end of its constructor (and after
 unpickling); a layer above the engines registers what should happen then with
 `on_wrap`, so no engine imports that layer. `lockstep/observe/trace_hook.py` registers
-the LOCKSTEP_TRACE tracer this way when `lockstep` is imported.
+the LOCKSTEP_TRACE tracer this way when `lockstep` is imported, and live
+recovery (`lockstep.live`) attaches its part of each engine.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from collections.abc import Callable
 from typing import Any
 
 WrapCallback = Callable[[Any], None]
-_callbacks: list[WrapCallback] = []
+_callbacks: list[tuple[WrapCallback, bool]] = []
 
 
-def on_wrap(callback: WrapCallback) -> None:
-    """Run `callback(model)` whenever an engine has wrapped a model (idempotent)."""
-    if callback not in _callbacks:
-        _callbacks.append(callback)
+def on_wrap(callback: WrapCallback, copies: bool = True) -> None:
+    """Run `callback(model)` whenever an engine has wrapped a model (idempotent); with
+    `copies=False` not for a wrapper unpickled or deep-copied from another."""
+    if all(known is not callback for known, _ in _callbacks):
+        _callbacks.append((callback, copies))
 
 
-def wrapped(model: Any) -> None:
-    """Called by an engine once its model is ready to train."""
-    for callback in _callbacks:
-        callback(model)
+def wrapped(model: Any, copy: bool = False) -> None:
+    """Called by an engine once its model is ready to train (`copy`: made by unpickling)."""
+    for callback, copies in _callbacks:
+        if copies or not copy:
+            callback(model)

@@ -19,13 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.context import DistContext, group_context
-from lockstep.runtime.meta import refuse_meta
-from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime import waits
-from lockstep.live import registry as live
 from lockstep.runtime.bucketing import MB
 from lockstep.runtime.driver import BackwardDriver
 from lockstep.runtime.finite import FiniteGuard, NonFinite, flat_params
+from lockstep.runtime.meta import refuse_meta
+from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime.replicate import broadcast_module
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import StepFigures, SyncToggle
@@ -121,8 +120,6 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         self.scheduler = self._build_scheduler(units, prefetch) if stage == 3 else None
         self.grad_sync = self._build_sync(check_data_passes, nonfinite)
         self.timeline: Timeline | None = None
-        if live.enabled():
-            live.register_refusal(live.SHARDED_REFUSAL)
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/observe/trace_hook.py`)
 
     @property

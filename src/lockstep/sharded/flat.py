@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.collectives.torch_compat import all_gather_single
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.sharded.layout import flat_layout
 from lockstep.sharded.precision import FlatDtypes, flat_dtypes, gather_cast
 from lockstep.sharded.units import ParamSlots
-from lockstep.collectives.torch_compat import all_gather_single
 
 
 class FlatParam:

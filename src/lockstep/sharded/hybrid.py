@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lockstep.collectives._p2p import ReduceOp
 from lockstep.collectives.ring import NETWORK_SEGMENT_BYTES, SEGMENT_BYTES
 from lockstep.collectives.scatter_gather import ring_reduce_scatter_
+from lockstep.collectives.torch_compat import reduce_scatter_single
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
@@ -34,7 +35,6 @@ from lockstep.runtime.handles import CollectiveHandle, ThreadHandle
 from lockstep.runtime.step_stats import ring_wire_bytes
 from lockstep.sharded.mesh import ShardMesh
 from lockstep.sharded.reduce_scatter import ShardBucket, make_collective
-from lockstep.collectives.torch_compat import reduce_scatter_single
 
 SHARD_LEVEL = "reduce_scatter"
 REPLICA_LEVEL = "replica_all_reduce"

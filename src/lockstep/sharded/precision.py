@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from lockstep.runtime.handles import WorkHandle
 from lockstep.collectives.torch_compat import all_gather_single
+from lockstep.runtime.handles import WorkHandle
 
 
 @dataclass(frozen=True)

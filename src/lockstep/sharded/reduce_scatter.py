@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives.torch_compat import reduce_scatter_single
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import AllReduceMean, Averaging, BucketCollective
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 from lockstep.runtime.transport import NATIVE, Transport
 from lockstep.sharded.flat import FlatParam
 from lockstep.sharded.precision import reduce_input
-from lockstep.collectives.torch_compat import reduce_scatter_single
 
 _EMPTY = torch.empty(0)
 

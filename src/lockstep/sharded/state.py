@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lockstep.sharded.flat import FlatParam
 from lockstep.collectives.torch_compat import all_gather_single
+from lockstep.sharded.flat import FlatParam
 
 
 def gather_flat(flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class RunConfig:
         trace_dir: with --trace, where every worker writes its trace (LOCKSTEP_TRACE).
         exit_grace_s: seconds a worker may take to exit after its script ended well,
             before it is named with its stack and ended (`lockstep.launch.watches.exits`).
-        live_recovery: replace a lost worker live, keeping the others (`launch/recovery/replacer.py`).
+        live_recovery: replace a lost worker live, keeping the others (`launch/recovery/`).
         spares: standby workers per node that take a lost rank (`launch/recovery/spares.py`).
         replace_stuck: with live_recovery, a worker the stall watch declares stuck is
             killed and replaced live instead of ending the round (`launch/recovery/stuck.py`).

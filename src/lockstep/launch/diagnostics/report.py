@@ -29,7 +29,7 @@ _TORCH, _LOCKSTEP = (str(Path(module.__file__).parent) + os.sep for module in (t
 
 
 def _stack(error_file_data: dict | None) -> str:
-    """The Python traceback `lockstep.launch.supervise.bootstrap` recorded in a worker's error file."""
+    """The Python traceback the worker bootstrap (`launch/supervise/bootstrap.py`) recorded."""
     message = (error_file_data or {}).get("message", {})
     return message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
 

@@ -2,7 +2,7 @@
 
 Every launcher of a live job (`lockstep run --live-recovery`, one node or several)
 announces a generation in the round's worker store, which node 0's launcher hosts.
-Claiming and announcing are one compare-and-set on `regroup.ANNOUNCE_KEY`: a launcher
+Claiming and announcing are one compare-and-set on `live/keys.py` `GENERATION`: a launcher
 reads the announced generation h, checks that every rank of the job joined h (no
 recovery is forming), and swaps h for h + 1 with the ranks it replaces. Two nodes that
 lose a worker at the same moment both read h; one swap wins, the other finds the
@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lockstep.live import group as regroup
+from lockstep.live import keys
 
 
 def client(addr: str, port: int, timeout_s: float) -> dist.Store:
@@ -28,7 +28,7 @@ def client(addr: str, port: int, timeout_s: float) -> dist.Store:
 def declared_refusal(store: dist.Store, world_size: int) -> str | None:
     """The first reason a rank of the job posted for not being recoverable, or None."""
     for rank in range(world_size):
-        key = regroup.READY_KEY.format(rank=rank)
+        key = keys.READY.format(rank=rank)
         if not store.check([key]):
             return f"rank {rank} had not declared itself recoverable (before its restore())"
         said = store.get(key).decode()
@@ -48,12 +48,12 @@ def joined(store: dist.Store, generation: int, world_size: int) -> bool:
     """Whether every rank of the job posted that it is in `generation` (0: always)."""
     if generation == 0:
         return True
-    keys = [regroup.JOINED_KEY.format(generation=generation, rank=r) for r in range(world_size)]
+    keys = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
     return store.check(keys)
 
 
 def _current(store: dist.Store) -> bytes:
-    return store.get(regroup.ANNOUNCE_KEY) if store.check([regroup.ANNOUNCE_KEY]) else b""
+    return store.get(keys.GENERATION) if store.check([keys.GENERATION]) else b""
 
 
 def claim_refusal(store: dist.Store, world_size: int) -> str | None:
@@ -78,7 +78,7 @@ def claim(store: dist.Store, replaced: list[int], world_size: int) -> int | str:
         return f"rank(s) {replaced} failed while {forming}"
     generation, _ = _parse(current)
     desired = json.dumps({"generation": generation + 1, "replaced": replaced})
-    now = store.compare_set(regroup.ANNOUNCE_KEY, current.decode(), desired)
+    now = store.compare_set(keys.GENERATION, current.decode(), desired)
     if now.decode() == desired:
         return generation + 1
     other, theirs = _parse(now)

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.launch.recovery import generations
 from lockstep.launch.cli.config import RunConfig
-from lockstep.launch.recovery.replacer import FALLBACK, NO_RESTART_LEFT, STORE_TIMEOUT_S
+from lockstep.launch.recovery import generations
 from lockstep.launch.recovery.rejoin import INVITE_KEY, REQUEST_KEY, TAKEN_KEY, Rejoiner, swap
+from lockstep.launch.recovery.replacer import FALLBACK, NO_RESTART_LEFT, STORE_TIMEOUT_S
 from lockstep.live.registry import ANNOUNCE_WAIT_VARIABLE
 
 LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from lockstep.live import group as regroup
 from lockstep.errors import LockstepError
 from lockstep.launch.recovery import generations
-from lockstep.launch.supervise.group import ALIVE_KEY
 from lockstep.launch.recovery.replacer import STORE_TIMEOUT_S
+from lockstep.launch.supervise.group import ALIVE_KEY
+from lockstep.live import group as live_group
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -129,11 +129,11 @@ class Rejoiner:
             )
         agent.beat_floor = self.old_beat
         agent._remaining_restarts = max(0, group.spec.max_restarts - agent.rendezvous.round)
-        os.environ[regroup.GENERATION_VARIABLE] = str(claimed)
+        os.environ[live_group.GENERATION_VARIABLE] = str(claimed)
         try:
             result = start(group)
         finally:
-            del os.environ[regroup.GENERATION_VARIABLE]
+            del os.environ[live_group.GENERATION_VARIABLE]
         if agent._live is not None:
             agent._live.follow(claimed)
         log.warning(

@@ -23,11 +23,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-from lockstep.live import group as regroup
-from lockstep.launch.recovery import generations
-from lockstep.launch.watches.exits import ExitWatch
 from lockstep.launch.diagnostics.report import scripts_collective
+from lockstep.launch.recovery import generations
 from lockstep.launch.recovery.spares import SparePool, start_worker
+from lockstep.launch.watches.exits import ExitWatch
+from lockstep.live import group as live_group
+from lockstep.live import keys
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
@@ -196,7 +197,10 @@ class LiveReplacer:
         self.generation = generation
         for local_rank, code in sorted(failed.items()):
             old = pcontext.subprocess_handlers[local_rank]
-            env = {**pcontext.envs[local_rank], regroup.GENERATION_VARIABLE: str(self.generation)}
+            env = {
+                **pcontext.envs[local_rank],
+                live_group.GENERATION_VARIABLE: str(self.generation),
+            }
             handler = start_worker(self.spares, pcontext, local_rank, env)
             pcontext.subprocess_handlers[local_rank] = handler
             group.workers[local_rank].id = handler.proc.pid
@@ -217,7 +221,7 @@ class LiveReplacer:
         if self._pending is None:
             return
         generation, since = self._pending
-        keys = [regroup.JOINED_KEY.format(generation=generation, rank=r) for r in range(world_size)]
+        keys = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
         if not self._worker_store(group).check(keys):
             return
         seconds = time.monotonic() - since

@@ -34,7 +34,11 @@ REFILL_DELAY_S = 0.5  # after a recovery formed: keep the start of a new spare o
 PIPE_BYTES = 1 << 20  # the assignment is written at once: the spare may still be importing
 MAX_DEATHS = 3  # idle spares that died before the pool stops starting new ones
 REAP_S = 5.0
-BOOTSTRAP = ("-u", "-m", "lockstep.launch.supervise.bootstrap")  # how torch's agent starts our workers
+BOOTSTRAP = (
+    "-u",
+    "-m",
+    "lockstep.launch.supervise.bootstrap",
+)  # how torch's agent starts our workers
 
 
 class Spare(NamedTuple):

@@ -18,9 +18,9 @@ import os
 import select
 import sys
 
-from lockstep.launch.supervise import bootstrap
+import lockstep.live
 from lockstep.launch.recovery.spares import BOOTSTRAP
-from lockstep.live import registry as live
+from lockstep.launch.supervise import bootstrap
 
 # Imported before any rank is known: no side effect that depends on the worker's
 # environment. torch._dynamo is the first wrap's lazy import (seconds on a busy machine).
@@ -30,9 +30,7 @@ PRELOAD = (
     "torch._dynamo",
     "numpy",
     "lockstep",
-    "lockstep.live.checkpoint",
-    "lockstep.live.ddp",
-    "lockstep.live.registry",
+    "lockstep.live",
     "lockstep.launch.watches.exits",
 )
 POLL_S = 1.0  # how often a waiting spare checks that its launcher is still there
@@ -87,7 +85,7 @@ def main(argv: list[str]) -> None:
     if assignment is None:
         return
     argv = _become(assignment)
-    live.reset()  # its one record of the environment at import (the generation)
+    lockstep.live.install()  # read again: the environment at import had no rank, no generation
     bootstrap.main(argv)
 
 

@@ -81,7 +81,9 @@ class LockstepRendezvous(RendezvousHandler):
         self._nonce = secrets.token_hex(16)
         self._worker_server: TCPStore | None = None
         self._closed = False
-        self.rejoin: Any = None  # `launch/recovery/rejoin.py`'s Rejoiner, on a live job's nodes but 0
+        self.rejoin: Any = (
+            None  # `launch/recovery/rejoin.py`'s Rejoiner, on a live job's nodes but 0
+        )
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key of `name` in round `round_` (default: the current one)."""

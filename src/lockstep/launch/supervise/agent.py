@@ -20,14 +20,14 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from lockstep.launch.diagnostics.report import describe, restart_line
+from lockstep.launch.recovery.nodes import NodeWatch
+from lockstep.launch.recovery.replacer import LiveReplacer
+from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeRankRendezvousError
+from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
 from lockstep.launch.watches.exits import ExitWatch
-from lockstep.launch.recovery.replacer import LiveReplacer
-from lockstep.launch.recovery.nodes import NodeWatch
-from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeRankRendezvousError
-from lockstep.launch.diagnostics.report import describe, restart_line
 from lockstep.launch.watches.stall import StallWatch
-from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.watches.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
@@ -45,7 +45,7 @@ class LockstepAgent(LocalElasticAgent):
         watchdog: told of every step forward, so a store that hangs ends the launcher.
         stalls: the workers' progress watch (`lockstep.launch.watches.stall`); None: off.
         exits: the bound on a worker's exit after its script (`lockstep.launch.watches.exits`).
-        live: replaces a lost worker and keeps the others (`lockstep.launch.recovery.replacer`); None: off.
+        live: replaces a lost worker and keeps the others (`launch/recovery/`); None: off.
         nodes: waits for a lost node to rejoin a live job (`lockstep.launch.recovery.nodes`).
     """
 

@@ -32,25 +32,24 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from lockstep.env import read_socket_ifnames
 from lockstep.errors import LockstepError
-from lockstep.launch.supervise import group
-from lockstep.launch.recovery import nodes as live_nodes
-from lockstep.launch.supervise import scratch
-from lockstep.launch.rendezvous import store
-from lockstep.launch.diagnostics import tracing
-from lockstep.launch.supervise.agent import LockstepAgent
 from lockstep.launch.cli.config import RunConfig
-from lockstep.launch.watches.exits import ExitWatch
-from lockstep.launch.recovery.replacer import LiveReplacer
-from lockstep.launch.rendezvous.netif import Route
+from lockstep.launch.diagnostics import tracing
 from lockstep.launch.diagnostics.preflight import check_master, find_route
-from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
 from lockstep.launch.diagnostics.report import summarize
-from lockstep.launch.rendezvous.secret import Signer, load_secret
+from lockstep.launch.recovery import nodes as live_nodes
+from lockstep.launch.recovery.replacer import LiveReplacer
 from lockstep.launch.recovery.spares import SparePool
-from lockstep.launch.watches.stall import StallWatch
+from lockstep.launch.rendezvous import store
+from lockstep.launch.rendezvous.netif import Route
+from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
+from lockstep.launch.rendezvous.secret import Signer, load_secret
 from lockstep.launch.rendezvous.store import BoundedStore
-from lockstep.launch.watches.watchdog import Watchdog
+from lockstep.launch.supervise import group, scratch
+from lockstep.launch.supervise.agent import LockstepAgent
+from lockstep.launch.watches.exits import ExitWatch
 from lockstep.launch.watches.folder import exit_watch, stall_watch
+from lockstep.launch.watches.stall import StallWatch
+from lockstep.launch.watches.watchdog import Watchdog
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
@@ -123,7 +122,14 @@ def _agent(
         role="worker",
         local_world_size=cfg.nproc_per_node,
         entrypoint=sys.executable,
-        args=("-u", "-m", "lockstep.launch.supervise.bootstrap", "--parent", str(os.getpid()), *cfg.target),
+        args=(
+            "-u",
+            "-m",
+            "lockstep.launch.supervise.bootstrap",
+            "--parent",
+            str(os.getpid()),
+            *cfg.target,
+        ),
         rdzv_handler=rendezvous,
         max_restarts=cfg.max_restarts,
         monitor_interval=0.1,

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 
 from lockstep.launch.cli.config import RunConfig
+from lockstep.launch.recovery.stuck import StuckReplacer
 from lockstep.launch.watches.exits import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.watches.exits import ExitWatch
 from lockstep.launch.watches.stall import StallWatch
-from lockstep.launch.recovery.stuck import StuckReplacer
 from lockstep.runtime import progress
 
 

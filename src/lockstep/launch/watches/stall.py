@@ -218,7 +218,7 @@ def _frozen_advice(rank: int, where: str, waits: dict[int, Record | None]) -> st
 
 
 def _is_waiting(record: Record | None) -> bool:
-    return record is not None and record.phase == Phase.WAITING
+    return record is not None and record.phase.waits
 
 
 def _where(record: Record | None) -> str:

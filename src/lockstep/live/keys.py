@@ -1,0 +1,43 @@
+"""Every key live recovery writes in the launcher's worker store, in one table.
+
+The launcher and the workers talk through the worker store (the TCPStore every worker
+already dials): the launcher announces generations and reads who declared itself
+recoverable and who joined; the workers post what a peer may need after a loss. A
+key that belongs to a rendezvous round names the round (the store outlives a
+whole-group restart); one per generation names the generation.
+
+- `GENERATION` (a launcher, by compare-and-set; read by workers and launchers):
+  `{"generation": g, "replaced": [ranks]}`;
+- `READY` (each worker, for its launcher): "" (recoverable) or the reason it is not;
+- `HANDOVER` (each worker, for a replacement): the hand-over it would serve,
+  "plain" or "checkpointer";
+- `JOINED` (each rank of a generation, for the launcher): "1" once it is in the new
+  group with its state; `GROUP`: the store prefix of the generation's default group;
+- `AT` (each survivor, for the others): "finished-steps inside(0/1)";
+- `RNG` (each worker, every step, for the donor): its random generators;
+- `BUFFERS` (rank 0, every synchronised forward): (step, buffers), what the next
+  buffer broadcast carries;
+- `REBUILD` (rank 0, or the donor): rank 0's ready order, for the rebuild's broadcast;
+- `STATEMENT` (each rank, once): its statement about the data, for the agreement.
+"""
+
+from __future__ import annotations
+
+from lockstep.env import read_variable
+
+PREFIX = "lockstep/live/"
+GENERATION = PREFIX + "generation"
+READY = PREFIX + "ready/{rank}"
+HANDOVER = PREFIX + "handover/{rank}"
+JOINED = PREFIX + "joined/{generation}/{rank}"
+GROUP = PREFIX + "gen{generation}/"
+AT = PREFIX + "at/gen{generation}/{rank}"
+RNG = PREFIX + "rng/{rank}"
+BUFFERS = PREFIX + "buffers0/{parity}"  # two steps kept: the parity of the step
+REBUILD = "rebuild_order"  # per round (`in_round`): one rebuild per process lifetime
+STATEMENT = "data_statement/{rank}"  # per round
+
+
+def in_round(name: str) -> str:
+    """`name` in this rendezvous round (the launcher's store outlives a restart)."""
+    return f"{PREFIX}round{read_variable('TORCHELASTIC_RESTART_COUNT') or '0'}/{name}"

@@ -1,0 +1,46 @@
+"""The lines live recovery writes: one format for a recovery, one for a fallback.
+
+A worker that recovered says so on its stderr, in one line:
+
+    lockstep [rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 3;
+    step 3 finished again; 0.21 s standing still
+
+A worker that cannot recover raises `fallback(reason)`, and the launcher logs
+`not_possible(reason)`: both end with the same words, so a log search for
+"falling back to the whole-group restart" finds every fallback with its reason.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from lockstep.errors import LockstepError
+
+FALLBACK = "falling back to the whole-group restart"
+RESTART = "from the last checkpoint (--max-restarts)"
+
+
+def say(text: str) -> None:
+    """'lockstep [rank r]: live recovery: <text>' on this worker's stderr."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"lockstep [rank {rank}]: live recovery: {text}", file=sys.stderr, flush=True)
+
+
+def recovered(generation: int, replaced: list[int], where: str, then: str, seconds: float) -> None:
+    """The line of one recovery: where this rank met the loss, and what it did next."""
+    say(
+        f"generation {generation}, rank(s) {replaced} replaced {where}; {then}; "
+        f"{seconds:.2f} s standing still"
+    )
+
+
+def fallback(reason: str) -> LockstepError:
+    """The error of a worker that cannot be recovered live (the launcher restarts the group)."""
+    return LockstepError(f"live recovery: {reason}; {FALLBACK}")
+
+
+def not_possible(reason: str) -> str:
+    """The launcher's line for a loss it does not recover live."""
+    return f"live recovery not possible: {reason}; {FALLBACK} {RESTART}"
