@@ -84,14 +84,16 @@ def _assert_same_checkpoints(out: Path, oracle: Path) -> None:
 KILLS = "1:2:backward,0:3:save,0:5:hang,1:7:save"
 PROCESSES = ["0.0.0", "0.2.0", "0.3.0", "1.0.0", "1.1.0", "1.4.0"]
 LINES = [
-    "[rank 0]: live recovery: generation 1, rank(s) [1] replaced; step 3 finished again",
+    "[rank 0]: live recovery: generation 1, rank(s) [1] replaced "
+    "inside step 3; step 3 finished again",
     "[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of step 3, "
     "which runs again",
     "Stuck: rank 0 (last after step 5",
     "replace-stuck: rank 0 (pid",
     "live recovery: rank 0 (pid",
     "as rank 0, generation 3",
-    "[rank 1]: live recovery: generation 3, rank(s) [0] replaced; step 6 finished again",
+    "[rank 1]: live recovery: generation 3, rank(s) [0] replaced "
+    "inside step 6; step 6 finished again",
     "[rank 0]: live recovery: generation 4, rank(s) [1] replaced inside the save of step 7, "
     "which was committed already",
 ]
@@ -127,7 +129,8 @@ def test_a_seed_left_to_rank_0_goes_over_when_rank_0_is_lost_in_the_first_step(t
     own draw, 8 of the 40 were read twice in that epoch)."""
     env = {"LOCKSTEP_TEST_KILL": "0:0:backward"}
     log = _run(tmp_path, FAULTS, ["--live-recovery"], env, "--random-seed")
-    assert "[rank 1]: live recovery: generation 1, rank(s) [0] replaced; step 1 finished" in log
+    line = "[rank 1]: live recovery: generation 1, rank(s) [0] replaced inside step 1; step 1"
+    assert line in log, log
     assert _processes(tmp_path) == ["0.0.0", "0.1.0", "1.0.0"], log
     _assert_each_sample_once(tmp_path)
 
@@ -168,8 +171,11 @@ def test_a_loss_met_in_the_samplers_agreement_is_recovered_live(tmp_path):
     out = tmp_path / "random_seed"
     env = {"LOCKSTEP_TEST_KILL": "0:0:agreement"}
     log = _run(out, FAULTS, ["--live-recovery"], env, "--random-seed")
-    assert "[rank 1]: live recovery in the data's agreement before the first batch: took " \
-        "rank 1's statement" in log, log  # fmt: skip
+    took = (
+        "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the data's "
+        "agreement before the first batch, at the start of the step; took rank 1's statement"
+    )
+    assert took in log, log
     assert _processes(out) == ["0.0.0", "0.1.0", "1.0.0"], log
     _assert_each_sample_once(out)
 

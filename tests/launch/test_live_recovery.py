@@ -76,8 +76,9 @@ SCENARIOS = {
         ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
         [
             "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the "
-            "Monitor's loss average, between steps",
-            "[rank 1]: live recovery: generation 2, rank(s) [0] replaced; step 4 finished again",
+            "Monitor's loss average of step",
+            "[rank 1]: live recovery: generation 2, rank(s) [0] replaced "
+            "inside step 4; step 4 finished again",
         ],
     ),
     # rank 0 dies before its update of step 1: rank 1 meets the loss in the bucket
@@ -87,7 +88,7 @@ SCENARIOS = {
         ["0.0.0", "0.1.0", "1.0.0"],
         [
             "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the bucket "
-            "rebuild's broadcast before step 2, at the start of the step",
+            "rebuild's broadcast of step 2, at the start of the step",
         ],
     ),
 }
@@ -145,7 +146,8 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     lines = [
         "[rank 1]: live recovery: generation 1, rank(s) [0] replaced during the buffer "
         "broadcast of step 3, at the start of the step",
-        "[rank 0]: live recovery: generation 2, rank(s) [1] replaced; step 6 finished again",
+        "[rank 0]: live recovery: generation 2, rank(s) [1] replaced "
+        "inside step 6; step 6 finished again",
     ]
     _assert_recovered_live(out, log, lines, ["0.0.0", "0.1.0", "1.0.0", "1.2.0"])
     assert "model/4.running_mean" in _final(out, 0)
@@ -177,7 +179,7 @@ def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live
     log = _run(out, ["--live-recovery"], kill="1:1:wrapper", script=script, nproc=3).log()
     lines = [
         "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the bucket "
-        "rebuild's broadcast before step 2, at the start of the step",
+        "rebuild's broadcast of step 2, at the start of the step",
         "[rank 2]: live recovery: generation 1, rank(s) [1] replaced during the buffer "
         "broadcast of step 2, at the start of the step",
     ]
@@ -196,7 +198,7 @@ def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):
     script = ("--monitor", "--trace")
     log = _run(tmp_path, ["--live-recovery"], kill="1:5:close", script=script).log()
     line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the Monitor's"
-    assert line + " closing barrier, between steps" in log, log
+    assert line + " closing barrier of step" in log, log
     assert "restart 1" not in log, log
     assert _processes(tmp_path) == ["0.0.0", "1.0.0", "1.1.0"], log
     merged = json.loads((tmp_path / "trace" / "trace.json").read_text())
@@ -231,7 +233,10 @@ def test_ddps_join_falls_back_inside_and_is_recovered_live_after(tmp_path):
     _run(oracle, [], script=script)
     out = tmp_path / "after"
     log = _run(out, ["--live-recovery"], kill="1:4:backward", script=script).log()
-    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced; step 5 finished again"
+    line = (
+        "[rank 0]: live recovery: generation 1, rank(s) [1] replaced "
+        "inside step 5; step 5 finished again"
+    )
     _assert_recovered_live(out, log, [line], ["0.0.0", "1.0.0", "1.1.0"])
     _assert_bitwise(out, oracle)
 

@@ -77,7 +77,7 @@ class LiveRecoverer:
         else:
             registry.hand_over(replaced, at)
             outcome, then = _opening(point) if point.where is Where.OPENING else _between()
-        where = f"during {point.describe(step)} ({point.where.value})"
+        where = f"during {point.describe(step)}, {point.where.value}"
         if point is Point.SAVE:
             where = f"inside the save of step {step}"
         lines.recovered(registry.generation(), replaced, where, then, time.monotonic() - start)

@@ -48,8 +48,8 @@ def joined(store: dist.Store, generation: int, world_size: int) -> bool:
     """Whether every rank of the job posted that it is in `generation` (0: always)."""
     if generation == 0:
         return True
-    keys = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
-    return store.check(keys)
+    joined = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
+    return store.check(joined)
 
 
 def _current(store: dist.Store) -> bytes:

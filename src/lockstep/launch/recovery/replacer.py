@@ -221,8 +221,8 @@ class LiveReplacer:
         if self._pending is None:
             return
         generation, since = self._pending
-        keys = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
-        if not self._worker_store(group).check(keys):
+        joined = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
+        if not self._worker_store(group).check(joined):
             return
         seconds = time.monotonic() - since
         self.recoveries.append((generation, seconds))
