@@ -86,16 +86,16 @@ PROCESSES = ["0.0.0", "0.2.0", "0.3.0", "1.0.0", "1.1.0", "1.4.0"]
 LINES = [
     "[rank 0]: live recovery: generation 1, rank(s) [1] replaced "
     "inside step 3; step 3 finished again",
-    "[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of step 3, "
-    "which runs again",
+    "[rank 1]: live recovery: generation 2, rank(s) [0] replaced inside the save of step 3; "
+    "the save runs again",
     "Stuck: rank 0 (last after step 5",
     "replace-stuck: rank 0 (pid",
     "live recovery: rank 0 (pid",
     "as rank 0, generation 3",
     "[rank 1]: live recovery: generation 3, rank(s) [0] replaced "
     "inside step 6; step 6 finished again",
-    "[rank 0]: live recovery: generation 4, rank(s) [1] replaced inside the save of step 7, "
-    "which was committed already",
+    "[rank 0]: live recovery: generation 4, rank(s) [1] replaced inside the save of step 7; "
+    "the save was committed already",
 ]
 
 
@@ -201,7 +201,7 @@ def test_survivors_between_steps_catch_up_with_a_peer_past_the_next_forward(tmp_
         "[rank 2]: live recovery: generation 1, rank(s) [1] replaced during the buffer "
         "broadcast of step 5, at the start of the step",
         "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside the save of "
-        "step 3, which was committed already",
+        "step 3; the save was committed already",
         "[rank 0]: live recovery: a peer is already past the start of the next step",
     ]
     _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
@@ -220,7 +220,7 @@ def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
     out = tmp_path / "killed"
     log = _run(out, PLAIN, ["--live-recovery"], {"LOCKSTEP_TEST_KILL": "1:3:backward"})
     told = (
-        "lockstep [rank 1]: live recovery without Checkpointer.restore(): received the "
+        "lockstep [rank 1]: live recovery: without Checkpointer.restore(): received the "
         "weights, buffers and step count (3 steps finished, `ddp.finished_steps`) from rank "
         "0; not restored: the optimizer's state, the random state, the data position"
     )

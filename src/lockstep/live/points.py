@@ -130,5 +130,5 @@ def _save(value: Any) -> tuple[Outcome, str, Any]:
     """A save met the loss: done if it was committed, else every rank runs it again."""
     if save.committed(value):
         path = value.checkpointer.files.path_for(value.step)
-        return Outcome(True, path), "which was committed already", None
-    return Outcome(False), "which runs again", save.interrupted(value)
+        return Outcome(True, path), "the save was committed already", None
+    return Outcome(False), "the save runs again", save.interrupted(value)
