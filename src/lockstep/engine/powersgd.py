@@ -14,6 +14,7 @@ issue them in the same order while backward goes on.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -50,6 +51,10 @@ class PowerSGDState(HookState):
             raise ValueError(f"PowerSGD rank must be at least 1; found {self.rank}")
         # The pool's thread never outlives the state, nor the interpreter (atexit).
         weakref.finalize(self, self._thread.shutdown, wait=False)
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run `work` on the state's one thread (the hook's future is set there)."""
+        self._thread.submit(work)
 
     def compresses(self, grad: torch.Tensor) -> bool:
         if grad.dim() < 2:
@@ -141,5 +146,5 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
             if bucket.is_last():
                 state.iteration += 1
 
-    state._thread.submit(work)
+    state.submit(work)
     return future

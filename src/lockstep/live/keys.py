@@ -19,6 +19,14 @@ whole-group restart); one per generation names the generation.
   buffer broadcast carries;
 - `REBUILD` (rank 0, or the donor): rank 0's ready order, for the rebuild's broadcast;
 - `STATEMENT` (each rank, once): its statement about the data, for the agreement.
+
+A lost node's place (`launch/recovery/nodes.py`, `rejoin.py`) is negotiated in the
+rendezvous store instead, sealed, in the round (names relative to the round):
+
+- `REJOIN_INVITE` (node 0): `{"serial": n, "ranks": [...]}`, the lost node's place;
+- `REJOIN_REQUEST` (a launcher started again as node K): its nonce, "let me in";
+- `REJOIN_TAKEN` (compare-and-set, by the joiner or at the deadline): `{"nonce": the
+  joiner's}` or "expired".
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ RNG = PREFIX + "rng/{rank}"
 BUFFERS = PREFIX + "buffers0/{parity}"  # two steps kept: the parity of the step
 REBUILD = "rebuild_order"  # per round (`in_round`): one rebuild per process lifetime
 STATEMENT = "data_statement/{rank}"  # per round
+REJOIN_INVITE = "rejoin/{node}"
+REJOIN_REQUEST = "rejoin/{node}/request"
+REJOIN_TAKEN = "rejoin/{node}/{serial}/taken"
 
 
 def in_round(name: str) -> str:

@@ -20,6 +20,10 @@ from lockstep.errors import LockstepError
 
 FALLBACK = "falling back to the whole-group restart"
 RESTART = "from the last checkpoint (--max-restarts)"
+NO_RESTART_LEFT = (
+    "no whole-group restart is left (--max-restarts): the job ends; start every node again "
+    "with the same arguments to resume from the last checkpoint"
+)
 
 
 def say(text: str) -> None:
@@ -41,6 +45,8 @@ def fallback(reason: str) -> LockstepError:
     return LockstepError(f"live recovery: {reason}; {FALLBACK}")
 
 
-def not_possible(reason: str) -> str:
+def not_possible(reason: str, restarts_left: bool = True) -> str:
     """The launcher's line for a loss it does not recover live."""
+    if not restarts_left:
+        return f"live recovery not possible: {reason}, and {NO_RESTART_LEFT}"
     return f"live recovery not possible: {reason}; {FALLBACK} {RESTART}"

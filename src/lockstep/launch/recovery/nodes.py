@@ -17,16 +17,14 @@ restart, or the end of the job with what to start, in one line.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.launch.cli.config import RunConfig
 from lockstep.launch.recovery import generations
-from lockstep.launch.recovery.rejoin import INVITE_KEY, REQUEST_KEY, TAKEN_KEY, Rejoiner, swap
-from lockstep.launch.recovery.replacer import FALLBACK, NO_RESTART_LEFT, STORE_TIMEOUT_S
-from lockstep.live.registry import ANNOUNCE_WAIT_VARIABLE
+from lockstep.launch.recovery.rejoin import swap
+from lockstep.launch.recovery.replacer import STORE_TIMEOUT_S
+from lockstep.live import keys, lines
 
 LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module
 
@@ -71,8 +69,7 @@ class NodeWatch:
         for node, why in self._newly_lost(agent, silent, set(lost)):
             reason = self._refusal(agent)
             if reason is not None:
-                log.warning("live recovery not possible: node %d %s, and %s; %s",
-                            node, why, reason, FALLBACK)  # fmt: skip
+                log.warning("%s", lines.not_possible(f"node {node} {why}, and {reason}"))
                 lost.append(node)
             else:
                 self._invite(agent, node, why)
@@ -87,7 +84,7 @@ class NodeWatch:
                 continue
             if now - self._back.get(node, -1e9) < self.silence_s:
                 continue
-            request = agent.rendezvous.take(REQUEST_KEY.format(node=node))
+            request = agent.rendezvous.take(keys.REJOIN_REQUEST.format(node=node))
             quiet = agent.silence(node)
             if node in silent:
                 found.append((node, f"was lost (no heartbeat for {quiet:.0f} s)"))
@@ -99,7 +96,7 @@ class NodeWatch:
 
     def _refusal(self, agent: LockstepAgent) -> str | None:
         """Why the survivors cannot wait for a lost node live, or None."""
-        group = agent._worker_group
+        group = agent.worker_group
         world_size = group.workers[0].world_size
         try:
             store = self._worker_store(group)
@@ -110,9 +107,10 @@ class NodeWatch:
 
     def _invite(self, agent: LockstepAgent, node: int, why: str) -> None:
         serial = self._serials[node] = self._serials.get(node, 0) + 1
-        nproc = len(agent._worker_group.workers)
+        nproc = len(agent.worker_group.workers)
         ranks = list(range(node * nproc, (node + 1) * nproc))
-        agent.rendezvous.put(INVITE_KEY.format(node=node), {"serial": serial, "ranks": ranks})
+        invitation = {"serial": serial, "ranks": ranks}
+        agent.rendezvous.put(keys.REJOIN_INVITE.format(node=node), invitation)
         self.waiting[node] = _Wait(serial, time.monotonic())
         log.warning(
             "node %d %s: live recovery keeps the other nodes' workers waiting up to %.0f s "
@@ -124,7 +122,7 @@ class NodeWatch:
         """Nodes waited for: rejoined (stop waiting), or past the deadline (lost: returned)."""
         lost = []
         for node, wait in list(self.waiting.items()):
-            name = TAKEN_KEY.format(node=node, serial=wait.serial)
+            name = keys.REJOIN_TAKEN.format(node=node, serial=wait.serial)
             taken = agent.rendezvous.take(name)
             waited = time.monotonic() - wait.since
             if taken is None and waited > self.rejoin_timeout_s:
@@ -146,34 +144,20 @@ class NodeWatch:
         timeout = (
             f"node {node} did not rejoin within {self.rejoin_timeout_s:.0f} s (--rejoin-timeout)"
         )
-        if agent._remaining_restarts > 0:
-            return (
-                f"live recovery not possible: {timeout}; {FALLBACK}, which waits up to "
-                f"--rdzv-timeout for every node: start `lockstep run --node-rank {node}` "
-                "with the job's arguments"
+        if agent.remaining_restarts > 0:
+            return lines.not_possible(timeout) + (
+                f", which waits up to --rdzv-timeout for every node: start `lockstep run "
+                f"--node-rank {node}` with the job's arguments"
             )
-        return f"live recovery not possible: {timeout}, and {NO_RESTART_LEFT}"
+        return lines.not_possible(timeout, restarts_left=False)
 
     def store_lost(self, remaining_restarts: int) -> None:
         """Node 0 (the stores' host) is lost: the one line saying why nothing is live."""
-        then = FALLBACK if remaining_restarts else NO_RESTART_LEFT
-        log.warning("live recovery not possible: node 0 was lost, and its launcher hosts the "
-                    "stores of the job's generations; %s", then)  # fmt: skip
+        reason = "node 0 was lost, and its launcher hosts the stores of the job's generations"
+        log.warning("%s", lines.not_possible(reason, restarts_left=remaining_restarts > 0))
 
     def _worker_store(self, group: Any) -> Any:
         if self._store is None:
             addr, port = str(group.master_addr), int(group.master_port or 0)
             self._store = generations.client(addr, port, STORE_TIMEOUT_S)
         return self._store
-
-
-def prepare(cfg: RunConfig, rendezvous: Any, silence_s: float) -> NodeWatch | None:
-    """A live job on several nodes: its `NodeWatch`, a `Rejoiner` for nodes other than 0,
-    and the workers' wait for an announcement, longer than a lost node may take."""
-    if not cfg.live_recovery or cfg.nnodes == 1:
-        return None
-    wait_s = silence_s + cfg.rejoin_timeout_s + ANNOUNCE_MARGIN_S
-    os.environ[ANNOUNCE_WAIT_VARIABLE] = str(wait_s)  # the workers inherit it
-    if cfg.node_rank != 0:
-        rendezvous.rejoin = Rejoiner()
-    return NodeWatch(cfg.rejoin_timeout_s, silence_s)

@@ -25,6 +25,7 @@ from lockstep.launch.recovery import generations
 from lockstep.launch.recovery.replacer import STORE_TIMEOUT_S
 from lockstep.launch.supervise.group import ALIVE_KEY
 from lockstep.live import group as live_group
+from lockstep.live import keys
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lockstep.run")
 LockstepAgent = Any  # `agent.LockstepAgent`, which imports this module through live_nodes
-INVITE_KEY = "rejoin/{node}"  # node 0's invitation: {"serial": n, "ranks": [...]}
-TAKEN_KEY = "rejoin/{node}/{serial}/taken"  # {"nonce": the joiner's} or "expired"
-REQUEST_KEY = "rejoin/{node}/request"  # a joiner's nonce: "let me in"
 
 
 def swap(rendezvous: Any, name: str, value: Any, round_: int | None = None) -> Any:
@@ -69,12 +67,12 @@ class Rejoiner:
         Runs before the rendezvous takes the round as its own (its heartbeat still
         counts in no round), so every key names the round explicitly.
         """
-        current = rdzv._open_round()  # the open round (this node has taken none yet)
+        current = rdzv.open_round()  # the open round (this node has taken none yet)
         if current is not None and current["round"] > opened["round"]:
             return current
         node, round_ = rdzv.me.node_rank, int(opened["round"])
         held = _read(rdzv, f"node/{node}", round_)
-        if not isinstance(held, dict) or held.get("nonce") == rdzv._nonce:
+        if not isinstance(held, dict) or held.get("nonce") == rdzv.nonce:
             return opened  # free, or ours: the usual claim
         beat = _read(rdzv, ALIVE_KEY.format(node=node), round_)
         beat = beat if isinstance(beat, int) else 0
@@ -82,7 +80,7 @@ class Rejoiner:
             self._first_beat = beat
         elif beat > self._first_beat:
             return opened  # node K still beats: a duplicated --node-rank, the claim says so
-        invite = _read(rdzv, INVITE_KEY.format(node=node), round_)
+        invite = _read(rdzv, keys.REJOIN_INVITE.format(node=node), round_)
         if isinstance(invite, dict):
             return self._take(rdzv, opened, int(invite["serial"]))
         return self._ask(rdzv, round_)
@@ -92,7 +90,7 @@ class Rejoiner:
         node = rdzv.me.node_rank
         if not self._asked:
             self._asked = True
-            _write(rdzv, REQUEST_KEY.format(node=node), round_, rdzv._nonce)
+            _write(rdzv, keys.REJOIN_REQUEST.format(node=node), round_, rdzv.nonce)
             log.warning(
                 "node %d is held in round %d by a launcher that may be lost; asking node 0 to "
                 "let this one take its place in the running job (live recovery)", node, round_,
@@ -101,12 +99,12 @@ class Rejoiner:
 
     def _take(self, rdzv: LockstepRendezvous, opened: dict, serial: int) -> dict | None:
         node, round_ = rdzv.me.node_rank, int(opened["round"])
-        mine = {"nonce": rdzv._nonce}
-        if swap(rdzv, TAKEN_KEY.format(node=node, serial=serial), mine, round_) != mine:
+        mine = {"nonce": rdzv.nonce}
+        if swap(rdzv, keys.REJOIN_TAKEN.format(node=node, serial=serial), mine, round_) != mine:
             return None  # closed at its deadline: wait for the round the others open next
         beat = _read(rdzv, ALIVE_KEY.format(node=node), round_)
         self.old_beat = beat if isinstance(beat, int) else 0
-        _write(rdzv, f"node/{node}", round_, {**asdict(rdzv.me), "nonce": rdzv._nonce})
+        _write(rdzv, f"node/{node}", round_, {**asdict(rdzv.me), "nonce": rdzv.nonce})
         self.taken = True
         log.warning("node %d takes the lost node's place in round %d of the running job",
                     node, round_)  # fmt: skip
@@ -128,14 +126,14 @@ class Rejoiner:
                 "at their --rejoin-timeout; start this node again then."
             )
         agent.beat_floor = self.old_beat
-        agent._remaining_restarts = max(0, group.spec.max_restarts - agent.rendezvous.round)
+        agent.remaining_restarts = max(0, group.spec.max_restarts - agent.rendezvous.round)
         os.environ[live_group.GENERATION_VARIABLE] = str(claimed)
         try:
             result = start(group)
         finally:
             del os.environ[live_group.GENERATION_VARIABLE]
-        if agent._live is not None:
-            agent._live.follow(claimed)
+        if agent.recovery is not None:
+            agent.recovery.follow(claimed)
         log.warning(
             "node %d rejoined the running job: ranks %s started in generation %d, their state "
             "comes from live peers", agent.node_rank, ranks, claimed,

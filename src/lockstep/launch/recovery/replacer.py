@@ -28,15 +28,10 @@ from lockstep.launch.recovery import generations
 from lockstep.launch.recovery.spares import SparePool, start_worker
 from lockstep.launch.watches.exits import ExitWatch
 from lockstep.live import group as live_group
-from lockstep.live import keys
+from lockstep.live import keys, lines
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
-FALLBACK = "falling back to the whole-group restart from the last checkpoint (--max-restarts)"
-NO_RESTART_LEFT = (
-    "no whole-group restart is left (--max-restarts): the job ends; start every node again "
-    "with the same arguments to resume from the last checkpoint"
-)
 
 
 def _describe_exit(code: int) -> str:
@@ -133,7 +128,7 @@ class LiveReplacer:
 
     def _refuse(self, reason: str) -> None:
         self._refused = True
-        log.warning("live recovery not possible: %s; %s", reason, FALLBACK)
+        log.warning("%s", lines.not_possible(reason))
 
     def follow(self, generation: int) -> None:
         """This node's workers were started in `generation` (a rejoined node): log its forming."""

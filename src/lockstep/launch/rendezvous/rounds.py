@@ -78,7 +78,7 @@ class LockstepRendezvous(RendezvousHandler):
         self.nodes: dict[int, NodeInfo] = {}
         self._run_id = run_id
         self._join_timeout_s = join_timeout_s
-        self._nonce = secrets.token_hex(16)
+        self.nonce = secrets.token_hex(16)
         self._worker_server: TCPStore | None = None
         self._closed = False
         self.rejoin: Any = (
@@ -101,7 +101,7 @@ class LockstepRendezvous(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout_s
-        opened = self._retrying(deadline, self._open_round)
+        opened = self._retrying(deadline, self.open_round)
         if self.rejoin is not None:  # a live job may be waiting for this node (`rejoin.py`)
             opened = self._retrying(deadline, lambda: self.rejoin.step(self, opened))
         self.round = opened["round"]
@@ -128,7 +128,7 @@ class LockstepRendezvous(RendezvousHandler):
                 raise RendezvousTimeoutError(self._timeout_message(lost))
             time.sleep(POLL_S)
 
-    def _open_round(self) -> dict | None:
+    def open_round(self) -> dict | None:
         """Node 0 opens the next round; the others wait for a round newer than their last."""
         key = f"lockstep/{self._run_id}/open"
         if self.me.node_rank == 0:
@@ -144,7 +144,7 @@ class LockstepRendezvous(RendezvousHandler):
     def _claim(self) -> bool:
         """Claim this node's rank in the round; a rank claimed by another node ends the job."""
         key = self.key(f"node/{self.me.node_rank}")
-        mine = self.signer.seal(key, {**asdict(self.me), "nonce": self._nonce})
+        mine = self.signer.seal(key, {**asdict(self.me), "nonce": self.nonce})
         current = self.store.call("compare_set", key, "", mine)
         if current.decode() == mine:
             return True

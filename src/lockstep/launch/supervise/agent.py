@@ -21,8 +21,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from lockstep.launch.diagnostics.report import describe, restart_line
-from lockstep.launch.recovery.nodes import NodeWatch
-from lockstep.launch.recovery.replacer import LiveReplacer
+from lockstep.launch.recovery import LiveRecovery
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeRankRendezvousError
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
@@ -45,8 +44,13 @@ class LockstepAgent(LocalElasticAgent):
         watchdog: told of every step forward, so a store that hangs ends the launcher.
         stalls: the workers' progress watch (`lockstep.launch.watches.stall`); None: off.
         exits: the bound on a worker's exit after its script (`lockstep.launch.watches.exits`).
-        live: replaces a lost worker and keeps the others (`launch/recovery/`); None: off.
-        nodes: waits for a lost node to rejoin a live job (`lockstep.launch.recovery.nodes`).
+        recovery: live recovery (`launch/recovery/`): a lost worker replaced in place, a
+            lost node waited for; None: off.
+
+    torch's agent keeps the worker group, its process context and the restarts left in
+    private members (torch 2.13, `SimpleElasticAgent`): `worker_group`,
+    `workers_context` and `remaining_restarts` are the one place they are read or set
+    (tests/launch/test_agent_adapter.py checks torch still has them).
     """
 
     def __init__(
@@ -58,13 +62,11 @@ class LockstepAgent(LocalElasticAgent):
         watchdog: Watchdog,
         stalls: StallWatch | None = None,
         exits: ExitWatch | None = None,
-        live: LiveReplacer | None = None,
-        nodes: NodeWatch | None = None,
+        recovery: LiveRecovery | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._live = live
-        self._nodes = nodes
+        self.recovery = recovery
         self.beat_floor = 0  # a node that took a lost node's place counts on from its beats
         self._stalls = stalls
         self._exits = exits
@@ -88,6 +90,26 @@ class LockstepAgent(LocalElasticAgent):
     def restart_count(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
+    # ------------------------------------------- torch's internals, read in one place
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """This node's workers (torch's `_worker_group`)."""
+        return self._worker_group
+
+    @property
+    def workers_context(self) -> Any:
+        """The running workers' process context (torch's `_pcontext`; None between rounds)."""
+        return self._pcontext
+
+    @property
+    def remaining_restarts(self) -> int:
+        """Whole-group restarts left (torch's `_remaining_restarts`)."""
+        return self._remaining_restarts
+
+    @remaining_restarts.setter
+    def remaining_restarts(self, count: int) -> None:
+        self._remaining_restarts = count
+
     def _beat(self) -> None:
         """Post a sealed, ever-growing count: a stranger can neither fake nor replay it."""
         key = group.ALIVE_KEY.format(node=self.node_rank)
@@ -102,8 +124,8 @@ class LockstepAgent(LocalElasticAgent):
     def close(self) -> None:
         """Stop the heartbeat thread and the idle spares (the launcher is about to leave)."""
         self._stop_beating.set()
-        if self._live is not None:
-            self._live.close()
+        if self.recovery is not None:
+            self.recovery.close()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         # The join's last store call may start just before its deadline and wait for two.
@@ -118,10 +140,8 @@ class LockstepAgent(LocalElasticAgent):
             self._stalls.reset()
         if self._exits is not None:
             self._exits.reset()
-        if self._live is not None:
-            self._live.reset()
-        if self._nodes is not None:
-            self._nodes.reset()
+        if self.recovery is not None:
+            self.recovery.reset()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         rejoin = self.rendezvous.rejoin  # in a lost node's place (`launch/recovery/rejoin.py`)
@@ -139,8 +159,7 @@ class LockstepAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # A store call may wait for the heartbeat's call, each bounded by the store's bound.
         self._watchdog.pet("watching the workers", 2 * self.rendezvous.store.op_timeout_s + 5)
-        live = self._live is not None and self._pcontext is not None
-        if live and self._live.check(self._pcontext, worker_group):  # before torch's poll
+        if self.recovery is not None and self.recovery.check(self):  # before torch's poll
             result = RunResult(state=WorkerState.HEALTHY)  # polled after the next check
         else:
             result = super()._monitor_workers(worker_group)
@@ -155,8 +174,8 @@ class LockstepAgent(LocalElasticAgent):
         between = f"node {self.node_rank} ({self.rendezvous.me.addr}) and node 0" + (
             f" ({master.addr})" if master else ""
         )
-        if self._nodes is not None:  # a live job: say why it is not recovered live
-            self._nodes.store_lost(self._remaining_restarts)
+        if self.recovery is not None:  # a live job: say why it is not recovered live
+            self.recovery.store_lost(self._remaining_restarts)
         if self._remaining_restarts == 0 or self.node_rank == 0:
             self.store_lost = True
             raise StoreLostError(self.rendezvous.endpoint, error, between) from None
@@ -170,8 +189,8 @@ class LockstepAgent(LocalElasticAgent):
             if result.state == WorkerState.HEALTHY:
                 self._exits.check(worker_group.workers)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-            if self._live is not None and self._pcontext is not None:
-                self._live.explain(self._pcontext, worker_group)
+            if self.recovery is not None:
+                self.recovery.explain(self)
             host = self.rendezvous.me.host
             failures = [
                 describe(rank, failure, self.node_rank, host)
@@ -183,7 +202,8 @@ class LockstepAgent(LocalElasticAgent):
             if cause:
                 self._end_round(cause, [])
                 return RunResult(state=WorkerState.FAILED)
-            if self._stalls is not None and not (self._nodes and self._nodes.waiting):
+            waiting = self.recovery is not None and self.recovery.waiting
+            if self._stalls is not None and not waiting:
                 return self._check_stall(worker_group, result)
         return result
 
@@ -205,8 +225,8 @@ class LockstepAgent(LocalElasticAgent):
         if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
-        if self._nodes is not None:  # a live job waits for a lost node (`launch/recovery/nodes.py`)
-            lost = self._nodes.judge(self, lost)
+        if self.recovery is not None:  # a live job waits for a lost node (`recovery/nodes.py`)
+            lost = self.recovery.judge(self, lost)
         if lost:
             nodes = ", ".join(map(str, lost))
             return (

@@ -36,9 +36,7 @@ from lockstep.launch.cli.config import RunConfig
 from lockstep.launch.diagnostics import tracing
 from lockstep.launch.diagnostics.preflight import check_master, find_route
 from lockstep.launch.diagnostics.report import summarize
-from lockstep.launch.recovery import nodes as live_nodes
-from lockstep.launch.recovery.replacer import LiveReplacer
-from lockstep.launch.recovery.spares import SparePool
+from lockstep.launch.recovery import LiveRecovery
 from lockstep.launch.rendezvous import store
 from lockstep.launch.rendezvous.netif import Route
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
@@ -147,10 +145,7 @@ def _agent(
         watchdog=watchdog,
         stalls=stalls,
         exits=exits,
-        live=LiveReplacer(SparePool(cfg.spares) if cfg.spares else None, exits)
-        if cfg.live_recovery
-        else None,
-        nodes=live_nodes.prepare(cfg, rendezvous, _silence_s(cfg)),
+        recovery=LiveRecovery.prepare(cfg, rendezvous, _silence_s(cfg), exits),
     )
 
 
