@@ -35,10 +35,25 @@ PORT = 29561  # inside our own namespaces
 
 def _node(a: Host, host: Host, rank: int, out: Path, worker: list[str]) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "lockstep.cli", "run", "--nnodes", "2", "--node-rank", str(rank),
-        "--master-addr", a.address, "--master-port", str(PORT), "--nproc-per-node", "2",
-        WORKER, "--out", str(out), *worker,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lockstep.cli",
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        a.address,
+        "--master-port",
+        str(PORT),
+        "--nproc-per-node",
+        "2",
+        WORKER,
+        "--out",
+        str(out),
+        *worker,
+    ]
     env = {
         **os.environ,
         "LOCKSTEP_JOB_SECRET": os.environ.get("LOCKSTEP_JOB_SECRET", "hsdp-link-benchmark-secret"),

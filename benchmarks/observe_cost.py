@@ -71,10 +71,16 @@ class Trainer:
     def run(self, warmup: int, steps: int) -> dict[str, list[float]]:
         """Wall and CPU times of the steps with the Monitor off and on, and of Monitor.step()."""
         monitor = lockstep.Monitor(
-            self.ddp, self.ctx, optimizer=self.opt, log_every=10, log_dir=self.out,
-            trace=Path(self.out) / "trace", straggler_every=50, progress=False,
+            self.ddp,
+            self.ctx,
+            optimizer=self.opt,
+            log_every=10,
+            log_dir=self.out,
+            trace=Path(self.out) / "trace",
+            straggler_every=50,
+            progress=False,
             stream=io.StringIO(),
-        )  # fmt: skip
+        )
         times: dict[str, list[float]] = {k: [] for k in ("off", "on", "cpu_off", "cpu_on")}
         inside = []
         dist.barrier()
@@ -205,9 +211,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=400, help="timed steps, half of them on")
     parser.add_argument(
-        "--compare", choices=("monitor", "env-trace"), default="monitor",
+        "--compare",
+        choices=("monitor", "env-trace"),
+        default="monitor",
         help="what is on in the 'on' steps: a Monitor, or LOCKSTEP_TRACE (a traced replica)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory(prefix="observe-cost-") as out:  # shared by the ranks

@@ -59,8 +59,10 @@ def _measured(results: list[dict], i: int, name: str) -> dict:
     def term(fn) -> float:
         return _rank_mean(statistics.median(fn(s) for s in e["stats"]) for e in per_rank)
 
-    ends = zip(*([s.start + s.forward_seconds + s.backward_seconds for s in e["stats"]]
-                 for e in per_rank), strict=True)  # fmt: skip
+    ends = zip(
+        *([s.start + s.forward_seconds + s.backward_seconds for s in e["stats"]] for e in per_rank),
+        strict=True,
+    )
     return {
         "skew_s": statistics.median(max(step) - min(step) for step in ends),
         "step_s": _rank_mean(statistics.median(e["step_s"]) for e in per_rank),
@@ -155,9 +157,24 @@ def two_nodes(args: argparse.Namespace, out: Path) -> list[dict]:
     with two_hosts(rate=args.rate) as (a, b):
         procs = []
         for node, host in enumerate((a, b)):
-            argv = [sys.executable, "-m", "lockstep.cli", "run", "--nnodes", "2", "--node-rank",
-                    str(node), "--master-addr", a.address, "--master-port", str(PORT),
-                    "--nproc-per-node", "2", WORKER, *flags]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "lockstep.cli",
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                a.address,
+                "--master-port",
+                str(PORT),
+                "--nproc-per-node",
+                "2",
+                WORKER,
+                *flags,
+            ]
             log = open(out / f"node{node}.log", "w")  # noqa: SIM115  closed with the process
             procs.append((host.popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + TIMEOUT_S
@@ -199,8 +216,9 @@ def main() -> None:
             results, where = two_nodes(args, Path(tmp)), f"2 nodes x 2, {args.rate} veth"
         else:
             args.trace_dir = tmp if args.timeline_dir else None
-            results = run_ranks(measure, args.world_size, names, args, deadline_s=TIMEOUT_S,
-                                timeout_s=300)  # fmt: skip
+            results = run_ranks(
+                measure, args.world_size, names, args, deadline_s=TIMEOUT_S, timeout_s=300
+            )
             where = f"world size {args.world_size}, loopback"
         rows = [summarize(results, name) for name in names]
         print(table(rows, where))

@@ -62,8 +62,9 @@ def _engine(ddp, opt, name: str, gen: torch.Generator, steps: int, trace: TraceR
         out["step_s"].append(end - ddp.stats.start)
         out["stats"].append(ddp.stats)
         if trace is not None:
-            trace.record(SimpleNamespace(step=ddp.stats.step), ddp.stats, begin, end,
-                         (opt_start, end))  # fmt: skip
+            trace.record(
+                SimpleNamespace(step=ddp.stats.step), ddp.stats, begin, end, (opt_start, end)
+            )
     out["layout"] = [b.nbytes for b in ddp.stats.buckets]
     return out
 

@@ -47,8 +47,11 @@ def bitwise(out: Path, oracle: Path) -> bool:
 def samples(events: list[dict], steps: int, world: int) -> tuple[int, int]:
     """(samples lost, samples repeated), counted per (rank, step) share."""
     taken = Counter((e["rank"], e["step"]) for e in events if e.get("participating", True))
-    sizes = {(e["rank"], e["step"]): e["samples"][1] - e["samples"][0]
-             for e in events if e.get("samples")}  # fmt: skip
+    sizes = {
+        (e["rank"], e["step"]): e["samples"][1] - e["samples"][0]
+        for e in events
+        if e.get("samples")
+    }
     share = max(sizes.values(), default=0)
     lost = sum(share for r in range(world) for s in range(steps) if not taken[r, s])
     redone = {s for s in range(steps) if all(taken[r, s] > 1 for r in range(world))}

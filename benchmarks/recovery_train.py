@@ -42,9 +42,13 @@ def build_model() -> nn.Sequential:
     """The benchmark's model, the same on every rank (seeded)."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Dropout(0.1), nn.Linear(HIDDEN, HIDDEN),
-        nn.Tanh(), nn.Linear(HIDDEN, 1),
-    )  # fmt: skip
+        nn.Linear(FEATURES, HIDDEN),
+        nn.Tanh(),
+        nn.Dropout(0.1),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, 1),
+    )
 
 
 def sample_ids(step: int, rank: int, world_size: int) -> list[int]:

@@ -135,9 +135,14 @@ def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
     steps = args.steps_per_rep * ctx.world_size  # per rank per step
     per_step = {e: [b / steps for b in v] for e, v in loop.items()}
     return {
-        "times": times, "sent": sent, "loopback": per_step, "memory": memory,
-        "planned": planned, "G": grad_bytes, "stage3": _stage3_factor(plain),
-    }  # fmt: skip
+        "times": times,
+        "sent": sent,
+        "loopback": per_step,
+        "memory": memory,
+        "planned": planned,
+        "G": grad_bytes,
+        "stage3": _stage3_factor(plain),
+    }
 
 
 def _mb(x: float) -> str:

@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     text, files = stdlib_text(args.max_bytes)
     data = CharWindows(encode(text), args.context)
     t = build(args, data)
-    start = t.checkpointer.restore(
-        model=t.ddp, optimizer=t.opt, sampler=t.loader, scheduler=t.sched
-    ) or 0  # fmt: skip
+    start = (
+        t.checkpointer.restore(model=t.ddp, optimizer=t.opt, sampler=t.loader, scheduler=t.sched)
+        or 0
+    )
     end = start + args.steps
     if ctx.is_main:
         params = sum(p.numel() for p in t.model.parameters())
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if check.identical else 1
 
 
-def train(args: argparse.Namespace, t: Training, monitor: lockstep.Monitor, start: int,
-          end: int) -> None:  # fmt: skip
+def train(
+    args: argparse.Namespace, t: Training, monitor: lockstep.Monitor, start: int, end: int
+) -> None:
     """The loop: forward, backward (gradients averaged inside), step, record, save."""
     stream = batches(t.loader)
     for step in range(start + 1, end + 1):

@@ -34,11 +34,26 @@ class Job:
 
     def start_node(self, node: int) -> None:
         argv = [
-            sys.executable, "-m", "lockstep.cli", "run", "--nnodes", "2",
-            "--node-rank", str(node), "--master-addr", self.hosts[0].address,
-            "--master-port", str(MASTER_PORT), "--nproc-per-node", "2", *self.flags,
-            TRAIN, "--out", str(self.out), *self.script,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "lockstep.cli",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            self.hosts[0].address,
+            "--master-port",
+            str(MASTER_PORT),
+            "--nproc-per-node",
+            "2",
+            *self.flags,
+            TRAIN,
+            "--out",
+            str(self.out),
+            *self.script,
+        ]
         with open(self.out / f"node{node}.log", "a") as log:
             self.procs[node] = self.hosts[node].popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)

@@ -85,8 +85,16 @@ def soak(job: Job, steps: int, kills: int, rng: random.Random) -> list[dict]:
         took = wait_recovery(job, old, victims, killed_at, f"recovery from kill {number}")
         now = read_pids(job.out)
         live = all(now.get(r) == pid for r, pid in old.items() if r not in victims)
-        records.append({"kill": number, "kind": kind, "what": what, "step": step,
-                        "recover_s": round(took, 2), "live": live})  # fmt: skip
+        records.append(
+            {
+                "kill": number,
+                "kind": kind,
+                "what": what,
+                "step": step,
+                "recover_s": round(took, 2),
+                "live": live,
+            }
+        )
         how = "live" if live else "restart"
         print(f"kill {number:2d}: {what:42s} at step {step:4d}; {how:7s} {took:6.2f} s", flush=True)
     return records

@@ -24,28 +24,51 @@ def sharded(module: nn.Module) -> nn.Module:
 
 
 PAIRS = {  # outer, inner, how to build outer(inner(MLP()))
-    "lockstep DDP inside torch DDP": ("torch.nn", "lockstep.Dist", lambda: TorchDDP(
-        lockstep.DistributedDataParallel(MLP()))),
-    "torch DDP inside lockstep DDP": ("lockstep.Dist", "torch.nn", lambda: (
-        lockstep.DistributedDataParallel(TorchDDP(MLP())))),
-    "lockstep DDP inside lockstep DDP": ("lockstep.Dist", "lockstep.Dist", lambda: (
-        lockstep.DistributedDataParallel(lockstep.DistributedDataParallel(MLP())))),
-    "sharded inside lockstep DDP": ("lockstep.Dist", "lockstep.Sharded", lambda: (
-        lockstep.DistributedDataParallel(sharded(MLP())))),
-    "sharded inside torch DDP": ("torch.nn", "lockstep.Sharded", lambda: TorchDDP(
-        sharded(MLP()))),
-    "lockstep DDP inside sharded": ("lockstep.Sharded", "lockstep.Dist", lambda: sharded(
-        lockstep.DistributedDataParallel(MLP()))),
-    "torch DDP inside sharded": ("lockstep.Sharded", "torch.nn", lambda: sharded(
-        TorchDDP(MLP()))),
-    "sharded inside sharded": ("lockstep.Sharded", "lockstep.Sharded", lambda: sharded(
-        sharded(MLP()))),
-    "fully_shard inside lockstep DDP": ("lockstep.Dist", "fully_shard", lambda: (
-        lockstep.DistributedDataParallel(fully_shard(MLP())))),
-    "a wrapped submodule inside lockstep DDP": ("lockstep.Dist", "lockstep.Dist", lambda: (
-        lockstep.DistributedDataParallel(nn.Sequential(lockstep.DistributedDataParallel(
-            MLP()), nn.Linear(4, 4))))),
-}  # fmt: skip
+    "lockstep DDP inside torch DDP": (
+        "torch.nn",
+        "lockstep.Dist",
+        lambda: TorchDDP(lockstep.DistributedDataParallel(MLP())),
+    ),
+    "torch DDP inside lockstep DDP": (
+        "lockstep.Dist",
+        "torch.nn",
+        lambda: lockstep.DistributedDataParallel(TorchDDP(MLP())),
+    ),
+    "lockstep DDP inside lockstep DDP": (
+        "lockstep.Dist",
+        "lockstep.Dist",
+        lambda: lockstep.DistributedDataParallel(lockstep.DistributedDataParallel(MLP())),
+    ),
+    "sharded inside lockstep DDP": (
+        "lockstep.Dist",
+        "lockstep.Sharded",
+        lambda: lockstep.DistributedDataParallel(sharded(MLP())),
+    ),
+    "sharded inside torch DDP": ("torch.nn", "lockstep.Sharded", lambda: TorchDDP(sharded(MLP()))),
+    "lockstep DDP inside sharded": (
+        "lockstep.Sharded",
+        "lockstep.Dist",
+        lambda: sharded(lockstep.DistributedDataParallel(MLP())),
+    ),
+    "torch DDP inside sharded": ("lockstep.Sharded", "torch.nn", lambda: sharded(TorchDDP(MLP()))),
+    "sharded inside sharded": (
+        "lockstep.Sharded",
+        "lockstep.Sharded",
+        lambda: sharded(sharded(MLP())),
+    ),
+    "fully_shard inside lockstep DDP": (
+        "lockstep.Dist",
+        "fully_shard",
+        lambda: lockstep.DistributedDataParallel(fully_shard(MLP())),
+    ),
+    "a wrapped submodule inside lockstep DDP": (
+        "lockstep.Dist",
+        "lockstep.Dist",
+        lambda: lockstep.DistributedDataParallel(
+            nn.Sequential(lockstep.DistributedDataParallel(MLP()), nn.Linear(4, 4))
+        ),
+    ),
+}
 
 
 def _try_pairs(ctx):

@@ -48,10 +48,17 @@ def _stats(step: int, rank: int) -> StepStats:
         BucketRecord(1, 8000, 3, ready=0.014 + late, launched=0.016, done=0.030),
     )
     return StepStats(
-        step=step, world_size=2, forward_seconds=0.005, backward_seconds=0.017,
-        payload_bytes=12000, wire_bytes=12000, comm_seconds=0.014, exposed_seconds=0.002,
-        buckets=buckets, start=0.0,
-    )  # fmt: skip
+        step=step,
+        world_size=2,
+        forward_seconds=0.005,
+        backward_seconds=0.017,
+        payload_bytes=12000,
+        wire_bytes=12000,
+        comm_seconds=0.014,
+        exposed_seconds=0.002,
+        buckets=buckets,
+        start=0.0,
+    )
 
 
 def _window(ctx):

@@ -30,9 +30,15 @@ def _train(ctx, out):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     stream = io.StringIO()
     monitor = lockstep.Monitor(
-        ddp, ctx, optimizer=opt, log_every=2, log_dir=out, straggler_every=0, stream=stream,
+        ddp,
+        ctx,
+        optimizer=opt,
+        log_every=2,
+        log_dir=out,
+        straggler_every=0,
+        stream=stream,
         tensorboard=True,
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(10 + ctx.rank)
     metrics, stats, losses = [], [], []
     for _ in range(STEPS):

@@ -95,7 +95,10 @@ def test_plan_per_gpu_bytes_match_the_measured_iteration(world4):
         g = result[(2, False)]["G"]
         plan = {row.label: row.per_gpu for row in link_bytes(2, 2, g, g, g)}
         for key, label in {
-            (2, False): "ZeRO-2", (2, True): "HSDP-2", (3, False): "ZeRO-3", (3, True): "HSDP-3"
-        }.items():  # fmt: skip
+            (2, False): "ZeRO-2",
+            (2, True): "HSDP-2",
+            (3, False): "ZeRO-3",
+            (3, True): "HSDP-3",
+        }.items():
             for sent in result[key]["iteration"]:
                 assert plan[label] <= sent <= FRAMING * plan[label], (label, sent, plan[label])

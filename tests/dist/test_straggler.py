@@ -39,8 +39,9 @@ def _train(ctx):
     model = Sleepy()
     ddp = lockstep.DistributedDataParallel(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    monitor = lockstep.Monitor(ddp, ctx, optimizer=opt, straggler_every=WINDOW, progress=False,
-                               log_every=100, trace=False)  # fmt: skip
+    monitor = lockstep.Monitor(
+        ddp, ctx, optimizer=opt, straggler_every=WINDOW, progress=False, log_every=100, trace=False
+    )
     for step in range(3 * WINDOW):
         window = step // WINDOW
         model.delay = SLEEP_S if window == 1 and ctx.rank == 1 else 0.0

@@ -129,9 +129,13 @@ def _loader() -> torch.utils.data.DataLoader:
 
 
 def _fit(
-    strategy: Any, tmp: Path, steps: int, module: Module | None = None, ckpt: str | None = None,
+    strategy: Any,
+    tmp: Path,
+    steps: int,
+    module: Module | None = None,
+    ckpt: str | None = None,
     **kw: Any,
-) -> Any:  # fmt: skip
+) -> Any:
     module = module or Module()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -163,8 +167,12 @@ def case_trainer_accumulate(engine: str, rank: int, tmp: Path) -> dict[str, Any]
     straight = _fit_state(trainer, module)
     trainer, module = _fit(name, tmp / engine, 5, ckpt=str(path), **kw)
     keys = sorted(torch.load(path, weights_only=False)["state_dict"])
-    return {"straight": straight, "resumed": _fit_state(trainer, module), "keys": keys,
-            "wrapper": module.wrapper}  # fmt: skip
+    return {
+        "straight": straight,
+        "resumed": _fit_state(trainer, module),
+        "keys": keys,
+        "wrapper": module.wrapper,
+    }
 
 
 def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:

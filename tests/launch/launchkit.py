@@ -65,9 +65,18 @@ class Launcher:
 def node_args(a: Host, node_rank: int, *, nproc: int = 2, extra: Sequence[str] = ()) -> list[str]:
     """Flags for node `node_rank` of a two-node job whose master is host `a`."""
     return [
-        "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", a.address,
-        "--master-port", str(MASTER_PORT), "--nproc-per-node", str(nproc), *extra,
-    ]  # fmt: skip
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        a.address,
+        "--master-port",
+        str(MASTER_PORT),
+        "--nproc-per-node",
+        str(nproc),
+        *extra,
+    ]
 
 
 def two_nodes(a: Host, b: Host, out: Path, flags: Sequence[str], script: Sequence[str]):

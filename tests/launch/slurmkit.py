@@ -90,11 +90,16 @@ def _write_config(root: Path) -> Path:
 
 def _daemons(root: Path) -> list[list[str]]:
     munged = [
-        "munged", "--foreground", "--force", f"--key-file={root}/munge.key",
-        f"--socket={root}/munge.sock", f"--pid-file={root}/munged.pid",
-        f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed",
+        "munged",
+        "--foreground",
+        "--force",
+        f"--key-file={root}/munge.key",
+        f"--socket={root}/munge.sock",
+        f"--pid-file={root}/munged.pid",
+        f"--log-file={root}/munged.log",
+        f"--seed-file={root}/munged.seed",
         "--origin=127.0.0.1",
-    ]  # fmt: skip
+    ]
     return [munged, ["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "localhost"]]
 
 

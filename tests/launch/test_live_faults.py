@@ -231,8 +231,10 @@ def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
     out = tmp_path / "second_kill"
     env = {"LOCKSTEP_TEST_KILL": "1:3:backward", "LOCKSTEP_TEST_KILL_REPLACEMENT": "1:1"}
     log = _run(out, PLAIN, ["--live-recovery", "--max-restarts", "1"], env)
-    assert "live recovery not possible: rank(s) [1] failed during the live recovery of " \
-        "generation 1; falling back to the whole-group restart" in log, log  # fmt: skip
+    assert (
+        "live recovery not possible: rank(s) [1] failed during the live recovery of "
+        "generation 1; falling back to the whole-group restart" in log
+    ), log
     assert _processes(out) == ["0.0.0", "0.0.1", "1.0.0", "1.0.1"], log
     _assert_bitwise(out, oracle)
 

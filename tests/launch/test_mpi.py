@@ -26,12 +26,29 @@ def mpirun_argv(nproc: int, script: list[str]) -> list[str]:
     """mpirun on this machine only, over loopback, passing MASTER_ADDR and MASTER_PORT."""
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return [
-        "mpirun", "-np", str(nproc), *root, "--oversubscribe",
-        "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
-        "--mca", "oob_tcp_if_include", "lo",
-        "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
-        sys.executable, *script,
-    ]  # fmt: skip
+        "mpirun",
+        "-np",
+        str(nproc),
+        *root,
+        "--oversubscribe",
+        "--mca",
+        "btl",
+        "self,tcp",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "-x",
+        "MASTER_ADDR",
+        "-x",
+        "MASTER_PORT",
+        "-x",
+        "PYTHONPATH",
+        sys.executable,
+        *script,
+    ]
 
 
 def _free_port() -> str:

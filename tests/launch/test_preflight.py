@@ -43,24 +43,43 @@ def _shared_cases(a, b, tmp_path) -> dict[str, list[str]]:
     script = [TRAIN, "--out", str(tmp_path)]
     return {
         # node 1 whose master never comes up
-        "no_master": [*node_args(a, 1), "--rdzv-timeout", "3",
-                      "--master-port", str(MASTER_PORT + 1), *script],
+        "no_master": [
+            *node_args(a, 1),
+            "--rdzv-timeout",
+            "3",
+            "--master-port",
+            str(MASTER_PORT + 1),
+            *script,
+        ],
         # node 0 started on the wrong machine
         "not_mine": [*node_args(a, 0), *script],
         # a master name that does not resolve
-        "no_name": ["--nnodes", "2", "--node-rank", "1", "--master-port", "1",
-                    "--master-addr", "no-such-host.invalid", *script],
+        "no_name": [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            "1",
+            "--master-addr",
+            "no-such-host.invalid",
+            *script,
+        ],
         # a node that would advertise loopback to the others
         "loopback": [*node_args(a, 1), "--local-addr", "127.0.0.1", *script],
-    }  # fmt: skip
+    }
 
 
 def test_preflight_failures_are_plain_messages(hosts, tmp_path):
     a, b = hosts
     holder = a.popen(  # a program that holds the master port on host a and never answers
-        [sys.executable, "-c", "import socket, time\n"
-         f"s = socket.create_server(('{a.address}', {MASTER_PORT})); time.sleep(300)"],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import socket, time\n"
+            f"s = socket.create_server(('{a.address}', {MASTER_PORT})); time.sleep(300)",
+        ],
+    )
     try:
         time.sleep(0.5)
         cases = _shared_cases(a, b, tmp_path)

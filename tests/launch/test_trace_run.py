@@ -84,8 +84,17 @@ def test_env_trace_of_a_plain_script_under_lockstep_run(tmp_path):
 
 def test_env_trace_of_a_plain_script_under_torchrun(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", SCRIPT, "--out", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "LOCKSTEP_TRACE": str(trace), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -95,8 +104,21 @@ def test_env_trace_of_a_plain_script_under_torchrun(tmp_path):
 
 def test_run_trace_merges_draws_and_names_the_straggler(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
-    argv = ["--trace", str(trace), "--nproc-per-node", "2", SCRIPT, "--out", str(out),
-            "--steps", "8", "--slow-rank", "1", "--slow-ms", "60"]  # fmt: skip
+    argv = [
+        "--trace",
+        str(trace),
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        "--slow-rank",
+        "1",
+        "--slow-ms",
+        "60",
+    ]
     launcher = Launcher(argv, tmp_path / "run.log")
     assert launcher.wait(timeout=180) == 0, launcher.log()
     log = launcher.log()
@@ -112,8 +134,21 @@ def test_run_trace_merges_draws_and_names_the_straggler(tmp_path):
 
 def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
-    argv = ["--trace", str(trace), "--nproc-per-node", "2", SCRIPT, "--out", str(out),
-            "--steps", "50", "--kill-rank", "1", "--kill-step", "4"]  # fmt: skip
+    argv = [
+        "--trace",
+        str(trace),
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--out",
+        str(out),
+        "--steps",
+        "50",
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "4",
+    ]
     launcher = Launcher(argv, tmp_path / "run.log", env=FAST_FLUSH)
     assert launcher.wait(timeout=180) == 1, launcher.log()
     log = launcher.log()

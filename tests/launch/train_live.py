@@ -112,9 +112,14 @@ def main() -> None:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(32) if args.batchnorm else nn.Identity()
     model = nn.Sequential(
-        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), norm, nn.Tanh(),
+        nn.Linear(FEATURES, 32),
+        nn.Tanh(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 32),
+        norm,
+        nn.Tanh(),
         nn.Linear(32, 1),
-    )  # fmt: skip
+    )
     torch.manual_seed(100 + ctx.rank)  # each rank its own dropout stream
     ddp = wrap(model, args.engine)
     # Join: a rank out of data skips the optimizer's step, so Adam's state would differ

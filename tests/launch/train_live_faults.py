@@ -131,9 +131,14 @@ def main() -> None:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(32) if args.batchnorm else nn.Identity()
     model = nn.Sequential(
-        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), norm, nn.Tanh(),
+        nn.Linear(FEATURES, 32),
+        nn.Tanh(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 32),
+        norm,
+        nn.Tanh(),
         nn.Linear(32, 1),
-    )  # fmt: skip
+    )
     torch.manual_seed(100 + ctx.rank)
     random.seed(ctx.rank)  # the checkpoint holds every generator: make them all the oracle's
     np.random.seed(ctx.rank)

@@ -42,31 +42,57 @@ def _stats(step: int, start: float, exposed: float = 0.002) -> StepStats:
         BucketRecord(1, 8000, 3, ready=0.014, launched=0.016, done=0.024),
     )
     return StepStats(
-        step=step, world_size=2, forward_seconds=0.005, backward_seconds=0.017,
-        payload_bytes=12000, wire_bytes=12000, comm_seconds=0.014, exposed_seconds=exposed,
-        buckets=buckets, start=start,
-    )  # fmt: skip
+        step=step,
+        world_size=2,
+        forward_seconds=0.005,
+        backward_seconds=0.017,
+        payload_bytes=12000,
+        wire_bytes=12000,
+        comm_seconds=0.014,
+        exposed_seconds=exposed,
+        buckets=buckets,
+        start=start,
+    )
 
 
 def test_measure_joins_engine_and_loop_figures():
-    m = measure(_stats(1, 100.0), step=7, samples=64, step_seconds=0.032, data_seconds=0.003,
-                optimizer_seconds=0.004)  # fmt: skip
+    m = measure(
+        _stats(1, 100.0),
+        step=7,
+        samples=64,
+        step_seconds=0.032,
+        data_seconds=0.003,
+        optimizer_seconds=0.004,
+    )
     assert (m.step, m.samples, m.synced) == (7, 64, True)
     assert m.bucket_seconds == pytest.approx((0.006, 0.008))
     assert m.comm_span_seconds == pytest.approx(0.014)
     assert m.overlap == pytest.approx(1 - 0.002 / 0.014)
     assert m.samples_per_second == pytest.approx(64 / 0.032)
     assert json.loads(json.dumps(m.to_dict()))["bucket_seconds"] == pytest.approx([0.006, 0.008])
-    idle = measure(None, step=8, samples=64, step_seconds=0.01, data_seconds=0.0,
-                   optimizer_seconds=0.0)  # fmt: skip
+    idle = measure(
+        None, step=8, samples=64, step_seconds=0.01, data_seconds=0.0, optimizer_seconds=0.0
+    )
     assert not idle.synced and idle.wire_bytes == 0 and idle.bucket_seconds == ()
 
 
 def test_summarize_weights_overlap_by_span_and_throughput_by_wall_time():
-    a = measure(_stats(1, 0.0, exposed=0.000), step=1, samples=10, step_seconds=0.1,
-                data_seconds=0, optimizer_seconds=0)  # fmt: skip
-    b = measure(_stats(2, 1.0, exposed=0.007), step=2, samples=10, step_seconds=0.3,
-                data_seconds=0, optimizer_seconds=0)  # fmt: skip
+    a = measure(
+        _stats(1, 0.0, exposed=0.000),
+        step=1,
+        samples=10,
+        step_seconds=0.1,
+        data_seconds=0,
+        optimizer_seconds=0,
+    )
+    b = measure(
+        _stats(2, 1.0, exposed=0.007),
+        step=2,
+        samples=10,
+        step_seconds=0.3,
+        data_seconds=0,
+        optimizer_seconds=0,
+    )
     s = summarize([replace(a, loss=2.0), replace(b, loss=4.0)])
     assert s.step == 2 and s.steps == 2 and s.loss == 3.0
     assert s.samples_per_second == pytest.approx(20 / 0.4)
@@ -118,8 +144,14 @@ def _write_traces(directory, ranks=2, steps=3, keep=100):
         for step in range(1, steps + 1):
             start = 10.0 + step * 0.1 + rank * 0.001
             stats = _stats(step, start)
-            m = measure(stats, step=step, samples=8, step_seconds=0.05, data_seconds=0.001,
-                        optimizer_seconds=0.003)  # fmt: skip
+            m = measure(
+                stats,
+                step=step,
+                samples=8,
+                step_seconds=0.05,
+                data_seconds=0.001,
+                optimizer_seconds=0.003,
+            )
             rec.record(m, stats, start - 0.001, start + 0.05, (start + 0.04, start + 0.043))
         rec.write()
 
@@ -129,8 +161,9 @@ def test_trace_files_hold_every_bucket_and_merge(tmp_path):
     events = json.loads((tmp_path / "trace_rank1.json").read_text())["traceEvents"]
     step2 = [e for e in events if e.get("args", {}).get("step") == 2]
     cats = sorted(e["cat"] for e in step2)
-    assert cats == sorted(["step", "data", "forward", "backward", "exposed", "optimizer"]
-                          + ["ready", "allreduce"] * 2)  # fmt: skip
+    assert cats == sorted(
+        ["step", "data", "forward", "backward", "exposed", "optimizer"] + ["ready", "allreduce"] * 2
+    )
     comm = {e["args"]["bucket"]: e for e in step2 if e["cat"] == "allreduce"}
     assert comm[1]["dur"] == pytest.approx(8000.0) and comm[0]["dur"] == pytest.approx(6000.0)
     assert comm[1]["tid"] != comm[0]["tid"] != 0  # one track per bucket, compute on 0
@@ -164,8 +197,13 @@ def test_trace_cli_merges_and_plots(tmp_path, capsys):
 
 
 def test_loss_curve_keeps_the_last_record_of_a_step(tmp_path):
-    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"event": "straggler"},
-             {"step": 2, "loss": 2.0}, {"step": 3, "loss": None}]  # fmt: skip
+    lines = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.5},
+        {"event": "straggler"},
+        {"step": 2, "loss": 2.0},
+        {"step": 3, "loss": None},
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert read_losses(path) == {1: 3.0, 2: 2.0}
@@ -212,8 +250,14 @@ def test_tensorboard_scalars_read_back_by_tensorboard(tmp_path):
 
     sink = TensorBoardSink(tmp_path)
     for step, loss in ((1, 3.5), (2, 2.5)):
-        m = measure(_stats(step, 0.0), step=step, samples=8, step_seconds=0.05,
-                    data_seconds=0.0, optimizer_seconds=0.001)  # fmt: skip
+        m = measure(
+            _stats(step, 0.0),
+            step=step,
+            samples=8,
+            step_seconds=0.05,
+            data_seconds=0.0,
+            optimizer_seconds=0.001,
+        )
         sink.write(replace(m, loss=loss))
     sink.close()
     events = EventAccumulator(str(tmp_path))

@@ -50,8 +50,18 @@ def _plan_json(capsys, *args: str) -> dict:
 
 def test_profile_predicts_a_step_that_adds_up(tiny, capsys):
     args = ["--model", "tinymodels:build", "--gpus", "4", "--weights-dtype", "fp32"]
-    doc = _plan_json(capsys, *args, "--profile", "tinymodels:build", "--link", "1MB/s",
-                     "--comm-slowdown", "1.5", "--timeline", str(tiny / "pred.png"))  # fmt: skip
+    doc = _plan_json(
+        capsys,
+        *args,
+        "--profile",
+        "tinymodels:build",
+        "--link",
+        "1MB/s",
+        "--comm-slowdown",
+        "1.5",
+        "--timeline",
+        str(tiny / "pred.png"),
+    )
     step, pred = doc["step"], doc["step"]["prediction"]
     assert step["profile"]["payload_bytes"] == doc["payload_bytes"]
     assert step["slowdown"]["factor"] == 1.5
@@ -59,8 +69,9 @@ def test_profile_predicts_a_step_that_adds_up(tiny, capsys):
     assert pred["exposed_s"] > 0 and pred["critical_bucket"] is not None
     total = pred["forward_s"] + pred["backward_s"] + pred["exposed_s"] + pred["optimizer_s"]
     assert pred["step_s"] == pytest.approx(total)
-    assert pred["buckets"][-1]["done_s"] == pytest.approx(pred["forward_s"] + pred["backward_s"]
-                                                          + pred["exposed_s"])  # fmt: skip
+    assert pred["buckets"][-1]["done_s"] == pytest.approx(
+        pred["forward_s"] + pred["backward_s"] + pred["exposed_s"]
+    )
     assert sum(b["bytes"] for b in pred["buckets"]) == doc["payload_bytes"]
     assert (tiny / "pred.png").stat().st_size > 0 and (tiny / "pred.trace.json").exists()
     rows = {(c["row"], c["column"]) for c in step["scaling"]}
@@ -96,27 +107,57 @@ def test_profile_script_hook_builds_its_own_batch(tiny, capsys):
 
 
 def test_measured_link_brings_its_slowdown(tiny, capsys):
-    bench = {"format": "lockstep.bench.allreduce/1", "world_size": 2,
-             "fit": {"busbw_GBps": 0.5, "hop_latency_us": 100.0},
-             "overlap_slowdown": {"factor": 1.7}}  # fmt: skip
+    bench = {
+        "format": "lockstep.bench.allreduce/1",
+        "world_size": 2,
+        "fit": {"busbw_GBps": 0.5, "hop_latency_us": 100.0},
+        "overlap_slowdown": {"factor": 1.7},
+    }
     (tiny / "bw.json").write_text(json.dumps(bench))
-    doc = _plan_json(capsys, "--model", "tinymodels:build", "--gpus", "2", "--profile",
-                     "tinymodels:build", "--bandwidth-from", "bw.json")  # fmt: skip
+    doc = _plan_json(
+        capsys,
+        "--model",
+        "tinymodels:build",
+        "--gpus",
+        "2",
+        "--profile",
+        "tinymodels:build",
+        "--bandwidth-from",
+        "bw.json",
+    )
     assert doc["step"]["slowdown"] == {"factor": 1.7, "source": "measured, bw.json"}
     assert doc["step"]["route"]["label"] == "measured"
 
 
 def test_trace_of_a_real_run_keeps_its_buckets(tiny, capsys):
     recorder = TraceRecorder(tiny / "trace", rank=0, world_size=2)
-    buckets = (BucketRecord(0, 4000, 2, 0.030, 0.030, 0.031),
-               BucketRecord(1, 9000, 3, 0.050, 0.050, 0.052))  # fmt: skip
+    buckets = (
+        BucketRecord(0, 4000, 2, 0.030, 0.030, 0.031),
+        BucketRecord(1, 9000, 3, 0.050, 0.050, 0.052),
+    )
     for step in (1, 2, 3):
         stats = StepStats(step, 2, 0.010, 0.040, 13000, 13000, 0.003, 0.002, buckets, 10.0 * step)
-        recorder.record(SimpleNamespace(step=step), stats, 10.0 * step, 10.0 * step + 0.06,
-                        (10.0 * step + 0.052, 10.0 * step + 0.06))  # fmt: skip
+        recorder.record(
+            SimpleNamespace(step=step),
+            stats,
+            10.0 * step,
+            10.0 * step + 0.06,
+            (10.0 * step + 0.052, 10.0 * step + 0.06),
+        )
     recorder.write()
-    doc = _plan_json(capsys, "--model", "7B", "--gpus", "2", "--link", "1GB/s",
-                     "--profile-trace", "trace", "--comm-slowdown", "1")  # fmt: skip
+    doc = _plan_json(
+        capsys,
+        "--model",
+        "7B",
+        "--gpus",
+        "2",
+        "--link",
+        "1GB/s",
+        "--profile-trace",
+        "trace",
+        "--comm-slowdown",
+        "1",
+    )
     pred = doc["step"]["prediction"]
     assert [b["bytes"] for b in pred["buckets"]] == [4000, 9000]
     # bucket 1 is ready at 50 ms, the end of backward; a ring without latency at 1 GB/s: 9 us

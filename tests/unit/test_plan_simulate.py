@@ -130,8 +130,10 @@ def test_profile_records_backward_order_on_a_real_model():
 
 
 def _stats(step: int, start: float) -> StepStats:
-    buckets = (BucketRecord(0, 4000, 2, 0.030, 0.030, 0.050),
-               BucketRecord(1, 9000, 3, 0.045, 0.050, 0.070))  # fmt: skip
+    buckets = (
+        BucketRecord(0, 4000, 2, 0.030, 0.030, 0.050),
+        BucketRecord(1, 9000, 3, 0.045, 0.050, 0.070),
+    )
     return StepStats(step, 2, 0.010, 0.040, 13000, 13000, 0.040, 0.020, buckets, start)
 
 
@@ -139,8 +141,13 @@ def test_trace_profile_keeps_the_engines_buckets(tmp_path):
     recorder = TraceRecorder(tmp_path, rank=0, world_size=2)
     for step in (1, 2, 3):
         start = 100.0 + step
-        recorder.record(SimpleNamespace(step=step), _stats(step, start), start, start + 0.08,
-                        (start + 0.07, start + 0.075))  # fmt: skip
+        recorder.record(
+            SimpleNamespace(step=step),
+            _stats(step, start),
+            start,
+            start + 0.08,
+            (start + 0.07, start + 0.075),
+        )
     recorder.write()
     profile = profile_from_trace(tmp_path)
     assert profile.prebucketed and [p.nbytes for p in profile.params] == [4000, 9000]

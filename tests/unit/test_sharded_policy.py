@@ -95,8 +95,22 @@ def test_plan_under_a_policy_keeps_fp32_shards_and_a_bf16_compute_copy():
 
 def test_plan_cli_takes_the_policy_and_the_kept_units(capsys):
     argv = ["plan", "--model", "1B", "--gpus", "4", "--weights-dtype", "fp32"]
-    assert main([*argv, "--param-dtype", "bf16", "--reduce-dtype", "fp32",
-                 "--keep-gathered", "25%", "--json", "-"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                *argv,
+                "--param-dtype",
+                "bf16",
+                "--reduce-dtype",
+                "fp32",
+                "--keep-gathered",
+                "25%",
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["policy"] == {"param": "bf16", "reduce": "fp32"}
     assert doc["gathered_bytes"] == 0.25e9 * 2

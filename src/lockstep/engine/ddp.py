@@ -6,7 +6,10 @@ the same parameters, broadcasts rank 0's weights and buffers, and builds a
 static graph, delayed all-reduce, skipped unused buckets. Each forward rebuilds
 the buckets once if due, broadcasts buffers when asked, runs the module, and arms
 the reducer; the synchronisation itself happens inside `loss.backward()`, and
-`optimizer.step()` stays purely local.
+`optimizer.step()` stays purely local. Before a forward: torch's rule for when it
+broadcasts the module's buffers (`will_sync_module_buffers`), the broadcast itself
+(from group rank 0, or under Join from the rank that owns the model, a recovery point
+at the step's start), and the move of inputs to `device_ids[0]`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
+from torch.utils._pytree import tree_map
 
 from lockstep.context import DistContext, group_context
 from lockstep.engine import join
@@ -29,7 +33,6 @@ from lockstep.engine.args import (
     ignore_for_model,
     managed_parameters,
 )
-from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
@@ -41,14 +44,15 @@ from lockstep.runtime import recovery
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.meta import refuse_meta
 from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
-from lockstep.runtime.replicate import broadcast_tensors
+from lockstep.runtime.recovery import Point
+from lockstep.runtime.replicate import broadcast_tensors, copy_back, flattened
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import SyncToggle
 from lockstep.runtime.transport import NATIVE
 from lockstep.runtime.wrap_hooks import wrapped
 
 
-class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, BufferSync, SyncToggle):
+class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncToggle):
     """Data-parallel wrapper with torch DDP's arguments, attributes and semantics.
 
     The arguments are torch 2.13's, in its positional order, then lockstep's
@@ -98,13 +102,31 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         super().__init__()
         Joinable.__init__(self)
         args = DDPArguments(
-            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
-            bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
-            static_graph, delay_all_reduce_named_params, param_to_hook_all_reduce,
-            mixed_precision, device_mesh, skip_all_reduce_unused_params, bucket_cap_mb_list,
-            batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, allreduce,
-            local_world_size, check_data_passes, nonfinite,
-        )  # fmt: skip
+            device_ids,
+            output_device,
+            dim,
+            broadcast_buffers,
+            init_sync,
+            process_group,
+            bucket_cap_mb,
+            find_unused_parameters,
+            check_reduction,
+            gradient_as_bucket_view,
+            static_graph,
+            delay_all_reduce_named_params,
+            param_to_hook_all_reduce,
+            mixed_precision,
+            device_mesh,
+            skip_all_reduce_unused_params,
+            bucket_cap_mb_list,
+            batched_grad_copy,
+            forward_sync_buffers,
+            first_bucket_cap_mb,
+            allreduce,
+            local_world_size,
+            check_data_passes,
+            nonfinite,
+        )
         refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
         refuse_meta(module, args.group, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
@@ -200,6 +222,64 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         Joinable.__init__(self)
         self._build_runtime()
         wrapped(self, copy=True)  # live recovery keeps the wrapper the script built
+
+    # -------------------------------------------------- buffers and inputs
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name for `forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's rule)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and any(True for _ in self.module.buffers())
+        )
+
+    def broadcast_buffers_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a forward broadcasts, by name (torch's `_ddp_ignored` ones left out)."""
+        named = self.module.named_buffers()
+        return [(n, b) for n, b in named if not getattr(b, "_ddp_ignored", False)]
+
+    def sync_buffers(self, src_rank: int) -> None:
+        """Broadcast buffers from group rank `src_rank` (0, or under Join the owner).
+
+        A recovery point at the step's start (`runtime/recovery.py`): after a rank lost
+        in it was recovered live, this rank takes what the broadcast carries from rank
+        0's post, or keeps its own buffers when its peers' broadcast already matched them.
+        """
+        named = self.broadcast_buffers_named()
+        if not named or self.ctx.world_size == 1:
+            return
+        src, group = self.ctx.global_rank(src_rank), self.process_group
+        chunks = list(flattened([b for _, b in named]))  # small: a model's buffers
+
+        def launch() -> list[dist.Work]:  # all launched, then waited: one wait's latency
+            return [dist.broadcast(flat, src=src, group=group, async_op=True) for _, flat in chunks]
+
+        outcome = recovery.run(Point.BUFFERS, self.reducer.driver.steps + 1, launch)
+        if outcome.ran:
+            for chunk, flat in chunks:
+                copy_back(chunk, flat)
+        elif outcome.value is not None:
+            with torch.no_grad():
+                for name, buffer in named:
+                    buffer.copy_(outcome.value[name])
+
+    def to_device(self, tree: Any) -> Any:
+        """Every tensor in `tree` moved to `device_ids[0]` (non-blocking)."""
+        assert self.device_ids is not None
+        device = self.device_ids[0]
+        device = torch.device("cuda", device) if isinstance(device, int) else device
+        return tree_map(
+            lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x,
+            tree,
+        )
 
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -99,9 +99,12 @@ class Reducer:
         """The buckets (parameter indices) made in ready `order` (None: registration's)."""
         caps = self.caps
         return assign_buckets(
-            self.specs, order, first_cap_bytes=caps.first, cap_bytes=caps.rest,
+            self.specs,
+            order,
+            first_cap_bytes=caps.first,
+            cap_bytes=caps.rest,
             cap_list=caps.per_bucket,
-        )  # fmt: skip
+        )
 
     def _use_layout(self, groups: list[list[int]]) -> None:
         """Allocate the buckets of `groups`; the driver launches them from now on."""

@@ -89,9 +89,14 @@ def _make_bar(total: int | None, first_step: int, stream: TextIO | None) -> Any:
         return None
     # disable=None: no bar when the output is not a terminal (a CI log, a file).
     return tqdm(
-        total=total, initial=first_step, file=stream, disable=None, unit="step",
-        dynamic_ncols=True, leave=True,
-    )  # fmt: skip
+        total=total,
+        initial=first_step,
+        file=stream,
+        disable=None,
+        unit="step",
+        dynamic_ncols=True,
+        leave=True,
+    )
 
 
 class JsonlSink:

@@ -99,9 +99,22 @@ def measure(
     """
     if stats is None:
         return StepMetrics(
-            step, samples, step_seconds, data_seconds, 0.0, 0.0, 0.0, optimizer_seconds,
-            0.0, 0.0, 1.0, 0, 0, (), synced=False,
-        )  # fmt: skip
+            step,
+            samples,
+            step_seconds,
+            data_seconds,
+            0.0,
+            0.0,
+            0.0,
+            optimizer_seconds,
+            0.0,
+            0.0,
+            1.0,
+            0,
+            0,
+            (),
+            synced=False,
+        )
     span = stats.comm_span_seconds
     return StepMetrics(
         step=step,

@@ -191,8 +191,15 @@ class Monitor:
         self.last = metrics
         return metrics
 
-    def _after_step(self, metrics: StepMetrics, stats: Any, begin: float, now: float,
-                    optimizer: tuple[float, float] | None, loss: Any) -> None:  # fmt: skip
+    def _after_step(
+        self,
+        metrics: StepMetrics,
+        stats: Any,
+        begin: float,
+        now: float,
+        optimizer: tuple[float, float] | None,
+        loss: Any,
+    ) -> None:
         if self.trace is not None:
             self.trace.record(metrics, stats, begin, now, optimizer)
         if stats is not None and self.straggler_every:
@@ -273,8 +280,10 @@ class Monitor:
         try:
             return merge_traces(trace.path.parent, world_size=self.ctx.world_size)
         except ValueError as error:  # other nodes' files are not here (no shared file system)
-            print(f"lockstep trace: not merged: {error}. Copy every rank's file into one "
-                  "directory and run `lockstep trace merge DIR`.")  # fmt: skip
+            print(
+                f"lockstep trace: not merged: {error}. Copy every rank's file into one "
+                "directory and run `lockstep trace merge DIR`."
+            )
             return None
 
     def _barrier(self) -> dist.Work | None:

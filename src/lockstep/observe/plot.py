@@ -121,11 +121,11 @@ def _draw_lane(
                 ax.plot([x0], [y + 0.4], marker="v", color="black", markersize=4)
                 continue
             width = e["dur"] / 1e3
-            ax.broken_barh([(x0, width)], (y, 0.4), color=COMM_COLORS[bucket % 2],
-                           edgecolor="#7a3c10")  # fmt: skip
+            ax.broken_barh(
+                [(x0, width)], (y, 0.4), color=COMM_COLORS[bucket % 2], edgecolor="#7a3c10"
+            )
             if width > 0.025 * span_ms:
-                ax.text(x0 + width / 2, y + 0.2, f"b{bucket}", ha="center", va="center",
-                        fontsize=7)  # fmt: skip
+                ax.text(x0 + width / 2, y + 0.2, f"b{bucket}", ha="center", va="center", fontsize=7)
 
 
 def _legend(ax: Any, plt: Any) -> None:
@@ -139,8 +139,15 @@ def _legend(ax: Any, plt: Any) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in names]
     handles.append(plt.Rectangle((0, 0), 1, 1, color=COMM_COLORS[0]))
     labels = [*names.values(), "all-reduce (bucket)"]
-    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6,
-              fontsize=8, frameon=False)  # fmt: skip
+    ax.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=6,
+        fontsize=8,
+        frameon=False,
+    )
 
 
 def read_losses(path: str | Path) -> dict[int, float]:

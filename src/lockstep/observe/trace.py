@@ -67,9 +67,15 @@ class TraceRecorder:
 
     def _slice(self, name: str, cat: str, t0: float, t1: float, tid: int, args: dict) -> dict:
         return {
-            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
-            "ts": self._us(t0), "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": args,
-        }  # fmt: skip
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": self.rank,
+            "tid": tid,
+            "ts": self._us(t0),
+            "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
+            "args": args,
+        }
 
     def record(
         self,
@@ -138,14 +144,27 @@ class TraceRecorder:
             info = {**args, "bucket": b.index, "bytes": b.nbytes, "params": b.num_params}
             info["ready_ms"] = round(b.ready * 1e3, 3)
             events.append(
-                {"name": f"bucket {b.index} ready", "cat": "ready", "ph": "i", "s": "t",
-                 "pid": self.rank, "tid": bucket_tid(b.index), "ts": self._us(start + b.ready),
-                 "args": info}
-            )  # fmt: skip
+                {
+                    "name": f"bucket {b.index} ready",
+                    "cat": "ready",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": self.rank,
+                    "tid": bucket_tid(b.index),
+                    "ts": self._us(start + b.ready),
+                    "args": info,
+                }
+            )
             events.append(
-                add(f"all-reduce bucket {b.index}", "allreduce", start + b.launched,
-                    start + b.done, bucket_tid(b.index), info)
-            )  # fmt: skip
+                add(
+                    f"all-reduce bucket {b.index}",
+                    "allreduce",
+                    start + b.launched,
+                    start + b.done,
+                    bucket_tid(b.index),
+                    info,
+                )
+            )
         return events
 
     def events(self) -> list[dict[str, Any]]:

@@ -48,8 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--grads-dtype", default=None, help=f"{DTYPES} (default: the weights' dtype)")
     add("--param-dtype", default=None, help="FSDP2 policy: compute dtype; shards keep weights'")
     add("--reduce-dtype", default=None, help="FSDP2 policy: gradient reduce dtype")
-    add("--keep-gathered", default=None, help="ZeRO-3: parameters gathered from forward to "
-        "backward (root + reshard_after_forward=False units): a count or a share")  # fmt: skip
+    add(
+        "--keep-gathered",
+        default=None,
+        help="ZeRO-3: parameters gathered from forward to "
+        "backward (root + reshard_after_forward=False units): a count or a share",
+    )
     add("--optimizer", default="adam", help=_optimizer_help())
     add("--optimizer-dtype", default="fp32", help=f"dtype of optimizer state: {DTYPES}")
     add("--optimizer-bytes", type=float, default=None, help="override: bytes per parameter")

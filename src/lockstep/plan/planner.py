@@ -166,9 +166,15 @@ def memory_rows(cfg: PlanConfig) -> list[MemoryRow]:
         share = per_gpu_bytes(full, strategy, cfg.gpus)
         total, trainable = cfg.model.total_params + cfg.trainable.added_params, cfg.trainable.count
         share = with_policy(
-            share, strategy, total, trainable, cfg.weights_dtype, cfg.param_dtype,
-            cfg.reduce_dtype, cfg.gpus,
-        )  # fmt: skip
+            share,
+            strategy,
+            total,
+            trainable,
+            cfg.weights_dtype,
+            cfg.param_dtype,
+            cfg.reduce_dtype,
+            cfg.gpus,
+        )
         rows.append(MemoryRow(strategy, share, share.total <= cfg.gpu_memory_bytes))
     return rows
 

@@ -34,15 +34,27 @@ SOURCES = ("profile", "profile_script", "profile_trace")
 
 def add_profile_flags(add: Callable[..., object]) -> None:
     """The flags of the step prediction (see the module docstring)."""
-    add("--profile", default=None, metavar="PKG.MODULE:FACTORY",
-        help="profile this model on one process and predict the step at --gpus ranks")  # fmt: skip
+    add(
+        "--profile",
+        default=None,
+        metavar="PKG.MODULE:FACTORY",
+        help="profile this model on one process and predict the step at --gpus ranks",
+    )
     add("--profile-script", default=None, metavar="PKG.MODULE:FN", help=f"instead: {SCRIPT_FORM}")
-    add("--profile-trace", default=None, metavar="TRACE",
-        help="instead: a trace recorded by a real run (LOCKSTEP_TRACE=<dir>)")  # fmt: skip
+    add(
+        "--profile-trace",
+        default=None,
+        metavar="TRACE",
+        help="instead: a trace recorded by a real run (LOCKSTEP_TRACE=<dir>)",
+    )
     add("--profile-steps", type=int, default=5, help="timed steps of the profile (default 5)")
     add("--seq-len", type=int, default=64, help="tokens per sample for an Embedding (default 64)")
-    add("--comm-slowdown", type=float, default=None,
-        help="communication slowdown during backward (default: the bench's, else 1.0)")  # fmt: skip
+    add(
+        "--comm-slowdown",
+        type=float,
+        default=None,
+        help="communication slowdown during backward (default: the bench's, else 1.0)",
+    )
     add("--timeline", default=None, metavar="PNG", help="draw the predicted step here")
 
 
@@ -76,8 +88,9 @@ def read_profile(ns: argparse.Namespace) -> tuple[StepProfile, tuple[LinearInfo,
     if ns.profile_trace is not None:
         return profile_from_trace(ns.profile_trace), ()
     if ns.batch_size < 1 or ns.seq_len < 1:
-        raise ValueError(f"--batch-size and --seq-len must be >= 1; found {ns.batch_size}, "
-                         f"{ns.seq_len}")  # fmt: skip
+        raise ValueError(
+            f"--batch-size and --seq-len must be >= 1; found {ns.batch_size}, {ns.seq_len}"
+        )
     if ns.profile is not None:
         target = target_from_factory(ns.profile, ns.batch_size, ns.seq_len)
     else:
@@ -91,11 +104,14 @@ def read_profile(ns: argparse.Namespace) -> tuple[StepProfile, tuple[LinearInfo,
             "LOCKSTEP_TRACE=<dir> and pass --profile-trace <dir>"
         )
     optimizer = make_optimizer(parse_optimizer(ns.optimizer, "--optimizer"), params)
-    source = (f"{target.label}, batch {ns.batch_size}, {ns.optimizer}, median of "
-              f"{ns.profile_steps} steps on {torch.get_num_threads()} thread(s)")  # fmt: skip
+    source = (
+        f"{target.label}, batch {ns.batch_size}, {ns.optimizer}, median of "
+        f"{ns.profile_steps} steps on {torch.get_num_threads()} thread(s)"
+    )
     try:
-        profile = profile_step(target.model, target.run_step, optimizer,
-                               steps=ns.profile_steps, source=source)  # fmt: skip
+        profile = profile_step(
+            target.model, target.run_step, optimizer, steps=ns.profile_steps, source=source
+        )
     except (RuntimeError, TypeError) as error:
         raise ValueError(
             f"--profile: a training step of {target.label} failed ({type(error).__name__}: "

@@ -36,8 +36,9 @@ def _prediction(plan: StepPlan) -> list[str]:
     p, sim, route = plan.profile, plan.sim, plan.route
     links = " + ".join(
         f"{link.name} {format_rate(link.low_bps)}, {format_seconds(link.hop_latency_s)}/hop"
-        for link in (route.intra, route.inter) if link is not None
-    )  # fmt: skip
+        for link in (route.intra, route.inter)
+        if link is not None
+    )
     sizes = ", ".join(format_bytes(b.nbytes) for b in sim.buckets[:6])
     more = f" (+{len(sim.buckets) - 6} more)" if len(sim.buckets) > 6 else ""
     eff = p.compute_s / sim.step_s
@@ -106,10 +107,17 @@ def format_step_plan(plan: StepPlan) -> str:
 def sim_json(sim: SimStep) -> dict[str, Any]:
     """One predicted step: phases, exposed and link time, overlap, and every bucket."""
     buckets = [
-        {"index": b.index, "bytes": b.nbytes, "params": len(b.params), "ready_s": b.ready,
-         "launched_s": b.launched, "started_s": b.started, "done_s": b.done}
+        {
+            "index": b.index,
+            "bytes": b.nbytes,
+            "params": len(b.params),
+            "ready_s": b.ready,
+            "launched_s": b.launched,
+            "started_s": b.started,
+            "done_s": b.done,
+        }
         for b in sim.buckets
-    ]  # fmt: skip
+    ]
     return {
         "step_s": sim.step_s,
         "forward_s": sim.forward_s,
@@ -127,19 +135,32 @@ def sim_json(sim: SimStep) -> dict[str, Any]:
 
 def _cells_json(cells: list[Cell]) -> list[dict[str, Any]]:
     return [
-        {"row": c.row, "column": c.column, "step_s": c.sim.step_s, "efficiency": c.efficiency,
-         "exposed_s": c.sim.exposed_s, "overlap": c.sim.overlap}
-        for c in cells if c.sim is not None
-    ]  # fmt: skip
+        {
+            "row": c.row,
+            "column": c.column,
+            "step_s": c.sim.step_s,
+            "efficiency": c.efficiency,
+            "exposed_s": c.sim.exposed_s,
+            "overlap": c.sim.overlap,
+        }
+        for c in cells
+        if c.sim is not None
+    ]
 
 
 def step_plan_json(plan: StepPlan) -> dict[str, Any]:
     """The step plan as a JSON-ready dict (seconds, bytes, fractions)."""
     p = plan.profile
     return {
-        "profile": {"source": p.source, "forward_s": p.forward_s, "backward_s": p.backward_s,
-                    "optimizer_s": p.optimizer_s, "params": len(p.params),
-                    "payload_bytes": p.payload_bytes, "prebucketed": p.prebucketed},
+        "profile": {
+            "source": p.source,
+            "forward_s": p.forward_s,
+            "backward_s": p.backward_s,
+            "optimizer_s": p.optimizer_s,
+            "params": len(p.params),
+            "payload_bytes": p.payload_bytes,
+            "prebucketed": p.prebucketed,
+        },
         "route": {"label": plan.route.label, "method": plan.route.method},
         "world_size": plan.world_size,
         "slowdown": {"factor": plan.slowdown.factor, "source": plan.slowdown.source},
@@ -148,4 +169,4 @@ def step_plan_json(plan: StepPlan) -> dict[str, Any]:
         "scaling": _cells_json(plan.scaling),
         "strategies": {"world_size": plan.strategy_world, "cells": _cells_json(plan.strategies)},
         "notes": plan.notes,
-    }  # fmt: skip
+    }

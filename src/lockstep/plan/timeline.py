@@ -21,8 +21,16 @@ PID = 0  # the predicted step is drawn as one rank's lane
 
 def _slice(name: str, cat: str, t0: float, t1: float, tid: int, args: dict) -> dict[str, Any]:
     dur = round(max(t1 - t0, 0.0) * 1e6, 3)
-    return {"name": name, "cat": cat, "ph": "X", "pid": PID, "tid": tid,
-            "ts": round(t0 * 1e6, 3), "dur": dur, "args": args}  # fmt: skip
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": PID,
+        "tid": tid,
+        "ts": round(t0 * 1e6, 3),
+        "dur": dur,
+        "args": args,
+    }
 
 
 def predicted_events(sim: SimStep, step: int = 1) -> list[dict[str, Any]]:
@@ -40,16 +48,39 @@ def predicted_events(sim: SimStep, step: int = 1) -> list[dict[str, Any]]:
     if sim.exposed_s > 0:
         events.append(_slice("wait for all-reduce", "exposed", bwd, waited, COMPUTE_TID, args))
     if sim.tail_s > 0:
-        events.append(_slice("all-gather after optimizer", "exposed", opt_end, sim.step_s,
-                             COMPUTE_TID, args))  # fmt: skip
+        events.append(
+            _slice("all-gather after optimizer", "exposed", opt_end, sim.step_s, COMPUTE_TID, args)
+        )
     for b in sim.buckets:
-        info = {**args, "bucket": b.index, "bytes": b.nbytes, "params": len(b.params),
-                "ready_ms": round(b.ready * 1e3, 3)}  # fmt: skip
-        events.append({"name": f"bucket {b.index} ready", "cat": "ready", "ph": "i", "s": "t",
-                       "pid": PID, "tid": bucket_tid(b.index), "ts": round(b.ready * 1e6, 3),
-                       "args": info})  # fmt: skip
-        events.append(_slice(f"all-reduce bucket {b.index}", "allreduce", b.launched, b.done,
-                             bucket_tid(b.index), info))  # fmt: skip
+        info = {
+            **args,
+            "bucket": b.index,
+            "bytes": b.nbytes,
+            "params": len(b.params),
+            "ready_ms": round(b.ready * 1e3, 3),
+        }
+        events.append(
+            {
+                "name": f"bucket {b.index} ready",
+                "cat": "ready",
+                "ph": "i",
+                "s": "t",
+                "pid": PID,
+                "tid": bucket_tid(b.index),
+                "ts": round(b.ready * 1e6, 3),
+                "args": info,
+            }
+        )
+        events.append(
+            _slice(
+                f"all-reduce bucket {b.index}",
+                "allreduce",
+                b.launched,
+                b.done,
+                bucket_tid(b.index),
+                info,
+            )
+        )
     return events
 
 

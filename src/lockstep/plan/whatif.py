@@ -105,8 +105,11 @@ def lora_profile(
             continue
         adapters = (("lora_A", rank * lin.in_features), ("lora_B", lin.out_features * rank))
         for suffix, numel in adapters:
-            params.append(ParamTiming(f"{lin.name}.{suffix}", numel, base.element_size,
-                                      base.dtype, base.ready_s))  # fmt: skip
+            params.append(
+                ParamTiming(
+                    f"{lin.name}.{suffix}", numel, base.element_size, base.dtype, base.ready_s
+                )
+            )
     if not params or profile.prebucketed:
         return None
     return replace(profile, params=tuple(params), source=profile.source + f", LoRA r={rank}")

@@ -99,9 +99,15 @@ def shard_bucket(position: int, flat: FlatParam, collective: BucketCollective) -
     scatters = getattr(collective, "scatters", False)
     nbytes = flat.layout.padded_numel * flat.dtypes.reduce.itemsize  # what the collective sends
     return ShardBucket(
-        position, [flat.shard], [flat.index], _EMPTY, [], averaging,
-        scatters=scatters, flat_nbytes=nbytes,
-    )  # fmt: skip
+        position,
+        [flat.shard],
+        [flat.index],
+        _EMPTY,
+        [],
+        averaging,
+        scatters=scatters,
+        flat_nbytes=nbytes,
+    )
 
 
 def fill_bucket(bucket: ShardBucket, flat: FlatParam, rank: int) -> None:

@@ -90,8 +90,13 @@ class NodeWatch:
                 found.append((node, f"was lost (no heartbeat for {quiet:.0f} s)"))
             elif request and request != self._answered.get(node) and quiet >= REJOIN_SILENCE_S:
                 self._answered[node] = request
-                found.append((node, f"was lost (no heartbeat for {quiet:.0f} s; a new one asks"
-                                    " to take its place)"))  # fmt: skip
+                found.append(
+                    (
+                        node,
+                        f"was lost (no heartbeat for {quiet:.0f} s; a new one asks"
+                        " to take its place)",
+                    )
+                )
         return found
 
     def _refusal(self, agent: LockstepAgent) -> str | None:
@@ -115,8 +120,14 @@ class NodeWatch:
         log.warning(
             "node %d %s: live recovery keeps the other nodes' workers waiting up to %.0f s "
             "(--rejoin-timeout) for `lockstep run --node-rank %d` with the job's arguments to "
-            "take ranks %d-%d", node, why, self.rejoin_timeout_s, node, ranks[0], ranks[-1],
-        )  # fmt: skip
+            "take ranks %d-%d",
+            node,
+            why,
+            self.rejoin_timeout_s,
+            node,
+            ranks[0],
+            ranks[-1],
+        )
 
     def _follow(self, agent: LockstepAgent) -> list[int]:
         """Nodes waited for: rejoined (stop waiting), or past the deadline (lost: returned)."""
@@ -136,8 +147,12 @@ class NodeWatch:
                 continue
             self._back[node] = time.monotonic()
             self.rejoined.append((node, waited))
-            log.warning("node %d rejoined %.2f s after it was declared lost; its workers "
-                        "are restored from live peers", node, waited)  # fmt: skip
+            log.warning(
+                "node %d rejoined %.2f s after it was declared lost; its workers "
+                "are restored from live peers",
+                node,
+                waited,
+            )
         return lost
 
     def _expired_line(self, agent: LockstepAgent, node: int) -> str:

@@ -93,8 +93,10 @@ class Rejoiner:
             _write(rdzv, keys.REJOIN_REQUEST.format(node=node), round_, rdzv.nonce)
             log.warning(
                 "node %d is held in round %d by a launcher that may be lost; asking node 0 to "
-                "let this one take its place in the running job (live recovery)", node, round_,
-            )  # fmt: skip
+                "let this one take its place in the running job (live recovery)",
+                node,
+                round_,
+            )
         return None
 
     def _take(self, rdzv: LockstepRendezvous, opened: dict, serial: int) -> dict | None:
@@ -106,8 +108,9 @@ class Rejoiner:
         self.old_beat = beat if isinstance(beat, int) else 0
         _write(rdzv, f"node/{node}", round_, {**asdict(rdzv.me), "nonce": rdzv.nonce})
         self.taken = True
-        log.warning("node %d takes the lost node's place in round %d of the running job",
-                    node, round_)  # fmt: skip
+        log.warning(
+            "node %d takes the lost node's place in round %d of the running job", node, round_
+        )
         return opened
 
     def start(
@@ -136,8 +139,11 @@ class Rejoiner:
             agent.recovery.follow(claimed)
         log.warning(
             "node %d rejoined the running job: ranks %s started in generation %d, their state "
-            "comes from live peers", agent.node_rank, ranks, claimed,
-        )  # fmt: skip
+            "comes from live peers",
+            agent.node_rank,
+            ranks,
+            claimed,
+        )
         return result
 
 

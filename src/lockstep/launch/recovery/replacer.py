@@ -201,9 +201,13 @@ class LiveReplacer:
             group.workers[local_rank].id = handler.proc.pid
             log.warning(
                 "live recovery: rank %d (pid %d) %s; started pid %d as rank %d, generation %d",
-                group.workers[local_rank].global_rank, old.proc.pid, _describe_exit(code),
-                handler.proc.pid, group.workers[local_rank].global_rank, self.generation,
-            )  # fmt: skip
+                group.workers[local_rank].global_rank,
+                old.proc.pid,
+                _describe_exit(code),
+                handler.proc.pid,
+                group.workers[local_rank].global_rank,
+                self.generation,
+            )
         self._pending = (self.generation, time.monotonic())
 
     def close(self) -> None:
@@ -224,8 +228,10 @@ class LiveReplacer:
         self._pending = None
         log.warning(
             "live recovery: generation %d formed %.2f s after the replacement started; "
-            "no worker restarted", generation, seconds,
-        )  # fmt: skip
+            "no worker restarted",
+            generation,
+            seconds,
+        )
 
     def _worker_store(self, group: WorkerGroup) -> dist.Store:
         if self._store is None:

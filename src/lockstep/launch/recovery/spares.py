@@ -132,9 +132,11 @@ class SparePool:
             os.close(spare.pipe)
             self._deaths += 1
             log.warning(
-                "spare pid %d ended with code %d while idle%s", spare.proc.pid,
-                spare.proc.returncode, "; no more spares" if self._deaths >= MAX_DEATHS else "",
-            )  # fmt: skip
+                "spare pid %d ended with code %d while idle%s",
+                spare.proc.pid,
+                spare.proc.returncode,
+                "; no more spares" if self._deaths >= MAX_DEATHS else "",
+            )
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -50,8 +50,10 @@ class StuckReplacer(StallWatch):
             self._replacing[worker.local_rank] = progress.read(self._progress(worker))
             log.warning(
                 "replace-stuck: rank %d (pid %s) is stuck; killed with SIGKILL, to be "
-                "replaced live", worker.global_rank, worker.id,
-            )  # fmt: skip
+                "replaced live",
+                worker.global_rank,
+                worker.id,
+            )
             with contextlib.suppress(ProcessLookupError):  # it ended: the replacer sees it too
                 os.kill(int(worker.id), signal.SIGKILL)
         self._since = time.monotonic()

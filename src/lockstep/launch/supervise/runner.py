@@ -37,6 +37,7 @@ from lockstep.launch.diagnostics import tracing
 from lockstep.launch.diagnostics.preflight import check_master, find_route
 from lockstep.launch.diagnostics.report import summarize
 from lockstep.launch.recovery import LiveRecovery
+from lockstep.launch.recovery.stuck import StuckReplacer
 from lockstep.launch.rendezvous import store
 from lockstep.launch.rendezvous.netif import Route
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
@@ -44,10 +45,11 @@ from lockstep.launch.rendezvous.secret import Signer, load_secret
 from lockstep.launch.rendezvous.store import BoundedStore
 from lockstep.launch.supervise import group, scratch
 from lockstep.launch.supervise.agent import LockstepAgent
+from lockstep.launch.watches.exits import DIR_VARIABLE as EXIT_DIR_VARIABLE
 from lockstep.launch.watches.exits import ExitWatch
-from lockstep.launch.watches.folder import exit_watch, stall_watch
 from lockstep.launch.watches.stall import StallWatch
 from lockstep.launch.watches.watchdog import Watchdog
+from lockstep.runtime import progress
 
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
@@ -153,9 +155,17 @@ def _describe_start(cfg: RunConfig, me: NodeInfo, route: Route, ifname: str) -> 
     first = cfg.node_rank * cfg.nproc_per_node
     log.info(
         "node %d of %d on %s, address %s, interface %s; master %s:%d; ranks %d-%d of %d",
-        cfg.node_rank, cfg.nnodes, me.host, route.local_addr, ifname,
-        cfg.master_addr, cfg.master_port, first, first + cfg.nproc_per_node - 1, cfg.world_size,
-    )  # fmt: skip
+        cfg.node_rank,
+        cfg.nnodes,
+        me.host,
+        route.local_addr,
+        ifname,
+        cfg.master_addr,
+        cfg.master_port,
+        first,
+        first + cfg.nproc_per_node - 1,
+        cfg.world_size,
+    )
 
 
 def run(cfg: RunConfig) -> int:
@@ -301,3 +311,22 @@ def _leave(cfg: RunConfig, agent: LockstepAgent, others_may_read: bool) -> None:
         agent.rendezvous.shutdown()
     except Exception as error:  # the store may be gone (node 0 left first)
         log.debug("leaving the rendezvous: %s", error)
+
+
+# The two watches share one folder with the workers: their progress records, and on
+# SIGUSR2 their stacks (read by both the stall watch and the exit watch).
+def stall_watch(cfg: RunConfig, directory: Path) -> StallWatch | None:
+    """The workers' progress watch (None with --stall-timeout 0); the folder is exported."""
+    if not cfg.stall_timeout_s:
+        return None
+    directory.mkdir(exist_ok=True)
+    os.environ[progress.DIR_VARIABLE] = str(directory)
+    watch = StuckReplacer if cfg.replace_stuck else StallWatch  # `launch/recovery/stuck.py`
+    return watch(directory, cfg.stall_timeout_s, cfg.nnodes)
+
+
+def exit_watch(cfg: RunConfig, directory: Path) -> ExitWatch:
+    """The bound on a worker's exit after its script ended; the folder is exported too."""
+    directory.mkdir(exist_ok=True)
+    os.environ[EXIT_DIR_VARIABLE] = str(directory)
+    return ExitWatch(directory, cfg.exit_grace_s)

@@ -107,9 +107,13 @@ class ExitWatch:
             "thread that is not a daemon must end (join it, or make it a daemon), an atexit "
             "handler must not block, and a process group must be destroyed before the "
             "objects that use it (lockstep.teardown).",
-            worker.global_rank, worker.local_rank, worker.id, late, self.grace_s,
+            worker.global_rank,
+            worker.local_rank,
+            worker.id,
+            late,
+            self.grace_s,
             "\n".join(stack),
-        )  # fmt: skip
+        )
         self.ended.add(worker.global_rank)
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker.id or 0, signal.SIGKILL)
