@@ -1,0 +1,1 @@
+"""`lockstep run`'s command line: its flags, turned into one validated `RunConfig`."""
