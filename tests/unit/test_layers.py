@@ -111,3 +111,20 @@ def test_no_import_up_or_across_the_layers():
 def test_the_checker_sees_a_cycle_and_an_upward_import():
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert layer_of("observe") > layer_of("engine")
+
+
+HOSTS = {"runtime", "engine", "sharded", "data", "checkpoint", "observe", "context", "collectives"}
+
+
+def test_no_host_imports_the_live_wing():
+    """Live recovery plugs in at the runtime's seams (`lockstep/live/__init__.py`): the
+    package's `__init__` installs it, and no host module names it."""
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in graph().items()
+        for target in targets
+        if top(module) in HOSTS and top(target) == "live"
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+    installers = {m for m, targets in graph().items() if "lockstep.live" in targets}
+    assert installers <= {"lockstep", "lockstep.launch.recovery.standby"}, installers
