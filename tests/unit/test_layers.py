@@ -11,9 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import lockstep
-
-ROOT = Path(lockstep.__file__).parent
+ROOT = Path(__file__).resolve().parents[2] / "src" / "lockstep"  # read, never imported
 
 LAYERS = [
     {"errors"},
