@@ -47,9 +47,12 @@ bench: install
 	$(BIN)/python benchmarks/sharded_vs_ddp.py
 
 # 20 worker kills (in a save, mid-all-reduce, rank 0, random) and one lost node across two
-# nodes (namespaces; root), with --live-recovery where the launcher accepts it; not in `test`.
+# nodes (namespaces; root), with --live-recovery where the launcher accepts it; then 20
+# runs of each launcher and engine to a clean exit (one in twenty hangs without
+# lockstep.teardown). Not in `test`: minutes each.
 soak: install
 	cd benchmarks/soak && ../../$(BIN)/python soak_two_nodes.py --out ../../runs/soak
+	LOCKSTEP_EXIT_RUNS=20 $(PYTEST) tests/launch/test_exit_safety.py -k repeat
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

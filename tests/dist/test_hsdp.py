@@ -180,6 +180,10 @@ def test_hsdp_with_a_bf16_policy_matches_torch_hsdp_with_it_bitwise(world4, engi
 def test_hsdp_matches_flat_stage_3(world4, name):
     for results in world4:
         ours, flat = results[(name, "hsdp3", "sgd")], results[(name, "stage3", "sgd")]
+        # First that the run is hybrid at all (a wrapper ignoring hybrid=True would be flat
+        # stage 3 itself): half the model per rank, and a replica all-reduce on the wire.
+        assert all(2 * shard == full for full, shard in ours["flats"]), ours["flats"]
+        assert ours["levels"].get("replica_all_reduce", 0) > 0, ours["levels"]
         for key, value in flat["state"].items():
             torch.testing.assert_close(ours["state"][key], value, atol=1e-6, rtol=0)
         # A loss near 12 has a float32 spacing near 1e-6: the losses are held relatively.
