@@ -52,5 +52,5 @@ def test_the_place_sent_is_the_one_taken_at_the_last_step_end():
     for _ in range(4):
         next(indices)
     sampler.mark_consumed(8)  # step 1's batch is out; step 1 is interrupted
-    assert place.state["position"] == 8
-    assert sampler.state_dict()["position"] == 16
+    assert sampler.state_dict()["position"] == 16  # what the loader holds now
+    assert place.handed()["position"] == 8  # what the donor sends: step 1 is read again
