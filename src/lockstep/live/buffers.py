@@ -154,14 +154,14 @@ class LiveBuffers:
         return buffers
 
     def adopt(self, state: dict[str, Any]) -> None:
-        """The replacement takes the buffers (after the model's state was loaded)."""
+        """The replacement takes the buffers (after the model's state was loaded), and
+        whether its first forward broadcasts them (`forward_sync`, set by `LiveDDP.adopt`)."""
         named = dict(self.ddp.broadcast_buffers_named())
         with torch.no_grad():
             for name, value in state["buffers"].items():
                 named[name].copy_(value)
         skip = bool(state["skip_first_sync"])
-        self.ddp.require_forward_param_sync = bool(state["forward_sync"])
         if skip:
             registry.take(Point.BUFFERS, None)  # its peers broadcast already: keep these
-        if skip or not self.ddp.require_forward_param_sync:
+        if skip or not state["forward_sync"]:
             self.keep()

@@ -116,6 +116,8 @@ class LiveDDP:
             self.passes = int(state["passes"])  # unless the sampler says it starts a new one
             reducer.driver.data_passes.adopt(self.passes, state.get("continues", True))
         if "buffers" in state:  # after the steps: the kept copy is labelled with them
+            # torch's flag for the next forward's broadcast, as at the survivors
+            self.ddp.require_forward_param_sync = bool(state["buffers"]["forward_sync"])
             self.buffers.adopt(state["buffers"])
         config = dict(state["join"])
         self.ddp.divide_by_initial_world_size = config.pop("divide")
