@@ -159,7 +159,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         )
         params = [p for _, p in self.named_state(buffers=False)]
         self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
-        self.reducer.driver.end_of_step.append(self.nonfinite.end_step)  # after _mp's restore
+        self.nonfinite.attach(self.reducer.driver)  # its end_step after _mp's restore
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()

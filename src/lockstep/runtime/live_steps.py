@@ -4,8 +4,9 @@ interrupted step finished with the new generation.
 `BackwardDriver` (`runtime/driver.py`) copies each bucket's local gradients when it
 launches it (`keep`); when a wait of the step fails because a rank was lost,
 `recover` joins the next generation (`runtime/live.py`), lets the donor hand the
-state over, and runs the step's fingerprint and buckets again from the copies, with
-the replacement, which resumes at this step. docs/multinode.md, "Live recovery".
+state over, and runs the step's buckets and fingerprint again from the copies (in
+the order of the first launch), with the replacement, which resumes at this step.
+docs/multinode.md, "Live recovery".
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Driver(Protocol):
     fingerprint: StepFingerprint
     sink: Any
     steps: int
+
+    def send_fingerprint(self, step: StepState) -> None: ...
 
 
 class LiveSteps:
@@ -73,13 +76,14 @@ class LiveSteps:
         )
 
     def _relaunch(self, driver: Driver, step: StepState) -> None:
-        """The step's fingerprint and buckets again, from the kept local gradients."""
-        driver.fingerprint.launch(step.fingerprint)
+        """The step's buckets and fingerprint again, from the kept local gradients."""
         last = len(driver.buckets) - 1
         launched = driver.buckets[: step.next_bucket]
         for index, bucket in enumerate(launched):
             bucket.buffer.copy_(self.kept[index])
             bucket.handle = driver.collective.launch(bucket, index == last)
+        if step.next_bucket > last:  # as the first launch: after the last bucket
+            driver.send_fingerprint(step)
         for bucket in launched:
             assert bucket.handle is not None
             waits.wait(bucket.handle, "gradient bucket", driver.steps + 1, bucket.index, None)
