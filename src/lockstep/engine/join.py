@@ -168,9 +168,13 @@ def shadow_backward(ddp: JoinTarget) -> None:
     for i, bucket in enumerate(driver.buckets):
         zeros = Bucket.build(bucket.index, bucket.params, bucket.param_indices, None)
         handles.append(driver.collective.launch(zeros, i == last))
-    driver.fingerprint.launch(None)  # after the buckets, as the others send theirs
+    inline = driver.collective.issues_inline()  # when the others send theirs (runtime/driver.py)
+    if inline:
+        driver.fingerprint.launch(None)
     for handle in handles:
         handle.wait()
+    if not inline:
+        driver.fingerprint.launch(None)
     driver.fingerprint.check()
     if reducer.votes_unused():
         votes = torch.zeros(

@@ -173,15 +173,28 @@ class BackwardDriver:
             step.in_flight.append(bucket)
             step.next_bucket += 1
             if step.next_bucket > last:  # every bucket checked: the verdict is complete
-                self.send_fingerprint(step)
+                self.fingerprint_after_launch(step)
+
+    def fingerprint_after_launch(self, step: StepState) -> None:
+        """The last bucket is launched: send the fingerprint now, beside it, unless a bucket
+        may still issue collectives (`issues_inline`): then `check_fingerprint` sends it.
+
+        After the last bucket rather than at backward's start: the verdict it carries
+        covers every bucket, so the non-finite check needs no collective of its own.
+        """
+        if self.collective.issues_inline():
+            self.send_fingerprint(step)
 
     def send_fingerprint(self, step: StepState) -> None:
-        """The step's fingerprint, with this rank's non-finite verdict, after its buckets.
-
-        Launched after the last bucket rather than at backward's start: the verdict
-        covers every bucket, and no collective of its own is needed for it.
-        """
+        """The step's fingerprint, with this rank's non-finite verdict."""
+        step.fingerprint_sent = True
         self.fingerprint.launch(step.fingerprint, self.verdict())
+
+    def check_fingerprint(self, step: StepState) -> None:
+        """The buckets are waited: send the fingerprint if it was kept back, then check it."""
+        if not step.fingerprint_sent and step.next_bucket == len(self.buckets):
+            self.send_fingerprint(step)
+        self.fingerprint.check()
 
     def _finalize(self) -> None:
         """State "finalized": wait, write the results, record the step, drop its state."""
@@ -242,7 +255,7 @@ class BackwardDriver:
         for bucket in self.buckets[: step.next_bucket]:  # collected early by a poll, too:
             if bucket.handle is not None:  # gloo marks a failed work completed; wait() raises
                 bucket.handle.wait()
-        self.fingerprint.check()
+        self.check_fingerprint(step)
 
 
 def _no_verdict() -> None:

@@ -291,6 +291,9 @@ class CheckedCollective:
     def sent_bytes(self) -> int | None:
         return self.inner.sent_bytes()
 
+    def issues_inline(self) -> bool:
+        return self.inner.issues_inline()
+
 
 def bucket_params(names: list[str]) -> Locate:
     """The DDP engine's buckets: one view per parameter (in `bucket.param_indices` order),

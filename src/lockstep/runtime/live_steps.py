@@ -37,7 +37,9 @@ class Driver(Protocol):
     sink: Any
     steps: int
 
-    def send_fingerprint(self, step: StepState) -> None: ...
+    def fingerprint_after_launch(self, step: StepState) -> None: ...
+
+    def check_fingerprint(self, step: StepState) -> None: ...
 
 
 class LiveSteps:
@@ -79,13 +81,14 @@ class LiveSteps:
         """The step's buckets and fingerprint again, from the kept local gradients."""
         last = len(driver.buckets) - 1
         launched = driver.buckets[: step.next_bucket]
+        step.fingerprint_sent = False
         for index, bucket in enumerate(launched):
             bucket.buffer.copy_(self.kept[index])
             bucket.handle = driver.collective.launch(bucket, index == last)
         if step.next_bucket > last:  # as the first launch: after the last bucket
-            driver.send_fingerprint(step)
+            driver.fingerprint_after_launch(step)
         for bucket in launched:
             assert bucket.handle is not None
             waits.wait(bucket.handle, "gradient bucket", driver.steps + 1, bucket.index, None)
             driver.sink.collected(bucket)
-        driver.fingerprint.check()
+        driver.check_fingerprint(step)
