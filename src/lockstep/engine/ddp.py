@@ -150,6 +150,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self.process_group = self._args.group
         self.ctx: DistContext = group_context(self.process_group, "DistributedDataParallel")
         named = managed_parameters(self.module, self.parameters_to_ignore)
+        self.note_buffer_owners()
         self.nonfinite = build_nonfinite(self._args, self.ctx, named, self.module)
         self.reducer = build_reducer(
             self._args, self.ctx, named, self.nonfinite, self._reducer_type
@@ -188,6 +189,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             "_delayed",
             "_static",
             "_mp",
+            "_buffer_owners",
             "_hooked",
             "_live",
         ):
