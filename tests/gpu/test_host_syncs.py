@@ -80,9 +80,10 @@ def test_lockstep_adds_at_most_the_verdicts_read_per_step(nccl_group, record_pro
     ours = _syncs_per_step("lockstep")
     exchange = _syncs_per_step("lockstep", exchange=True)
     off = _syncs_per_step("lockstep", mode="off")
-    for name, counted in [("torch", theirs), ("lockstep", ours), ("exchange", exchange)]:
+    counts = {"torch": theirs, "lockstep": ours, "exchange": exchange, "lockstep_off": off}
+    for name, counted in counts.items():  # in junit.xml, and with pytest -rP on the screen
         record_property(f"syncs_per_step_{name}", counted["per_step"])
-    record_property("syncs_per_step_lockstep_off", off["per_step"])
+        print(f"{name}: {counted['per_step']} syncs per step at {counted['places']}")
     assert ours["buckets"] >= 3, ours  # the precondition: a read per bucket would show
     limit = theirs["per_step"] + VERDICT_READS
     assert ours["per_step"] <= limit, (ours, theirs)
