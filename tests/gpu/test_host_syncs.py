@@ -40,15 +40,16 @@ def nccl_group():
 
 def _wrap(engine: str, mode: str, exchange: bool) -> nn.Module:
     torch.manual_seed(0)
-    layers = [nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)]
+    widths = [64, 128, 128, 128, 8]
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)]
     model = nn.Sequential(*layers).cuda()
-    caps = {"bucket_cap_mb": 0.2}
+    caps = {"bucket_cap_mb": 0.02}  # three buckets
     if engine == "torch":
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[0], gradient_as_bucket_view=True, **caps
         )
     ddp = lockstep.DistributedDataParallel(
-        model, device_ids=[0], nonfinite=mode, first_bucket_cap_mb=0.2, **caps
+        model, device_ids=[0], nonfinite=mode, first_bucket_cap_mb=0.02, **caps
     )
     if exchange:  # the exchange of world size 2, over the one-rank group
         ddp.reducer.driver.fingerprint = StepFingerprint(None, 0, 2)
