@@ -5,6 +5,8 @@
     python benchmarks/engine_vs_torch.py --variant static_graph  # both: static_graph=True
     python benchmarks/engine_vs_torch.py --variant toggle_sync   # 2 micro-batches a step,
                                                    # require_backward_grad_sync toggled
+    python benchmarks/engine_vs_torch.py --world-sizes 4 --reps 2 --profile runs/prof
+                                                   # + a timeline of each engine's step
 
 Both engines wrap copies of the same model with the same bucket arguments
 (25 MiB buckets, 1 MiB first bucket, gradients as bucket views) and train in
@@ -18,7 +20,10 @@ per-gradient-tensor overhead at world size 1, (T_engine - T_plain) / tensors; an
 the cost of the step fingerprint: lockstep with it (the default) over lockstep
 with it switched off, in the same alternating phases ("fp on/off" column); and the
 cost of the non-finite check (`runtime/finite.py`): the default over nonfinite="off"
-("finite on/off" column).
+("finite on/off" column). `--profile DIR` adds, after the timed phases, one phase
+of each engine under torch.profiler: DIR/<workload>_<engine>_ws<N>_rank<r>.json, a
+Chrome trace (chrome://tracing, ui.perfetto.dev) with backward's kernels, the hooks
+and gloo's collectives on their threads: where a step's time goes, side by side.
 """
 
 from __future__ import annotations
@@ -138,9 +143,20 @@ def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> 
             t, s = _phase(runners[kind], batches, args.steps_per_rep)
             times[kind].append(t)
             sent[kind].extend(s)
+    if args.profile is not None:
+        for kind in ("lockstep", "torch"):
+            _profiled(runners[kind], batches, args, f"{name}_{kind}_ws{ctx.world_size}")
     params = list(runners["plain"].model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     return {"times": times, "sent": sent, "grad_bytes": grad_bytes, "tensors": len(params)}
+
+
+def _profiled(runner: Runner, batches: list, args: argparse.Namespace, label: str) -> None:
+    """One phase under torch.profiler; its Chrome trace, one file per rank."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _phase(runner, batches, args.steps_per_rep)
+    prof.export_chrome_trace(str(args.profile / f"{label}_rank{dist.get_rank()}.json"))
 
 
 def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
@@ -220,6 +236,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--steps-per-rep", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--profile", type=Path, help="also write each engine's timeline here")
     parser.add_argument(
         "--variant",
         choices=("default", "static_graph", "toggle_sync"),

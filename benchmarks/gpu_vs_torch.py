@@ -36,6 +36,7 @@ from workloads import SmallGPT, _Block, _next_token_loss
 
 import lockstep
 from lockstep.testing import run_ranks
+from lockstep.testing.mesh import device_mesh
 
 BIG = {"vocab": 50304, "width": 768, "layers": 12, "context": 1024, "batch": 8}
 MID = {"vocab": 8192, "width": 512, "layers": 8, "context": 256, "batch": 4}
@@ -146,12 +147,13 @@ def part1(size: dict, device: str, phases: int, steps: int) -> dict:
 def wrap_sharded(engine: str, model: nn.Module) -> nn.Module:
     if engine == "ddp":
         return lockstep.DistributedDataParallel(model)
-    if engine == "fsdp2":
+    if engine == "fsdp2":  # an explicit mesh: the accelerator's would not fit a CPU model
         from torch.distributed.fsdp import fully_shard
 
+        mesh = device_mesh(next(model.parameters()).device)
         for block in model.blocks:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     stage = int(engine.removeprefix("stage"))
     return lockstep.ShardedDataParallel(model, stage=stage, wrap=[_Block] if stage == 3 else None)
 

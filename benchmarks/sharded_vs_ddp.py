@@ -36,6 +36,7 @@ from workloads import WORKLOADS, _Block, build
 import lockstep
 from lockstep.plan.measured import measured_bytes, planned_bytes
 from lockstep.testing import run_ranks
+from lockstep.testing.mesh import device_mesh
 
 ENGINES = ("ddp", "stage1", "stage2", "stage3", "fsdp2")
 NAME = "gpt-5m"
@@ -71,12 +72,13 @@ def _wrap(engine: str) -> torch.nn.Module:
     model = build(NAME)
     if engine == "ddp":
         return lockstep.DDP(model)
-    if engine == "fsdp2":
+    if engine == "fsdp2":  # an explicit mesh: the accelerator's would not fit a CPU model
         from torch.distributed.fsdp import fully_shard
 
+        mesh = device_mesh("cpu")
         for block in model.blocks:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     stage = int(engine.removeprefix("stage"))
     return lockstep.ShardedDataParallel(model, stage=stage, wrap=[_Block] if stage == 3 else None)
 

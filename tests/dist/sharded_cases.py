@@ -13,6 +13,7 @@ from engine_models import MLP, PartlyFrozen, Tied
 from torch import nn
 
 import lockstep
+from lockstep.testing.mesh import device_mesh
 
 
 class Block(nn.Module):
@@ -84,12 +85,13 @@ def loss_of(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
 def wrap(engine: str, model: nn.Module, name: str) -> nn.Module:
     if engine == "ddp":
         return lockstep.DDP(model)
-    if engine == "fsdp2":
+    if engine == "fsdp2":  # an explicit mesh: the accelerator's would not fit a CPU model
         from torch.distributed.fsdp import fully_shard
 
+        mesh = device_mesh("cpu")
         for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     hybrid = {"hybrid": True, "shard_group_size": 2} if engine.startswith("hsdp") else {}
     stage = int(engine.removeprefix("hsdp").removeprefix("stage"))
     wrap_cls = [Block] if stage == 3 and name == "gpt" else None

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
 from lockstep.testing import run_ranks
+from lockstep.testing.mesh import device_mesh
 
 
 def sharded(module: nn.Module) -> nn.Module:
@@ -59,7 +60,7 @@ PAIRS = {  # outer, inner, how to build outer(inner(MLP()))
     "fully_shard inside lockstep DDP": (
         "lockstep.Dist",
         "fully_shard",
-        lambda: lockstep.DistributedDataParallel(fully_shard(MLP())),
+        lambda: lockstep.DistributedDataParallel(fully_shard(MLP(), mesh=device_mesh("cpu"))),
     ),
     "a wrapped submodule inside lockstep DDP": (
         "lockstep.Dist",

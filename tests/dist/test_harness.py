@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -27,6 +28,12 @@ def _raise_on_rank_one(ctx):
 def _hang_forever(ctx):
     if ctx.rank == 0:
         time.sleep(3600)
+
+
+def _native_crash_on_rank_one(ctx):
+    if ctx.rank == 1:
+        ctypes.string_at(0)  # a real SIGSEGV, inside native code
+    return ctx.rank
 
 
 def _exit_early_on_rank_one(ctx):
@@ -63,3 +70,12 @@ def test_a_rank_that_exits_0_without_a_result_is_named():
     with pytest.raises(RankFailure, match=r"ranks \[1\] exited with code 0") as info:
         run_ranks(_exit_early_on_rank_one, 2)
     assert info.value.failed_ranks == [1]
+
+
+def test_a_native_crash_is_named_with_its_signal_and_the_python_stack():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_native_crash_on_rank_one, 2)
+    message = str(info.value)
+    assert info.value.failed_ranks == [1], message
+    assert "rank 1 died by signal SIGSEGV" in message, message
+    assert "_native_crash_on_rank_one" in message, message  # faulthandler's stack

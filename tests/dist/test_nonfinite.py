@@ -131,3 +131,30 @@ def test_fp16_autocast_overflow_is_left_to_the_grad_scaler():
         assert ours[rank]["scales"][0] < 2.0**40  # the scaler did skip overflowing steps
         for mine, theirs in zip(ours[rank]["state"], torch_ddp[rank]["state"], strict=True):
             assert torch.equal(mine, theirs)
+
+
+def _nan_while_joined(ctx) -> dict:
+    """Under DDP's Join, rank 1 runs out after 2 steps; rank 0's third loss is NaN."""
+    from torch.distributed.algorithms.join import Join
+
+    _, ddp = _wrap("ddp", "raise")
+    steps = 3 if ctx.rank == 0 else 2
+    try:
+        with Join([ddp]):
+            for step in range(1, steps + 1):
+                gen = torch.Generator().manual_seed(100 * step + ctx.rank)
+                loss = ((ddp(torch.randn(4, 8, generator=gen)) - 1) ** 2).mean()
+                (loss * float("nan") if step == 3 else loss).backward()
+    except NonFiniteGradientError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def test_a_rank_joined_under_join_raises_with_the_rank_that_found_a_nan():
+    """The joined rank shadows the step's fingerprint, which carries the verdict."""
+    for rank, result in enumerate(run_ranks(_nan_while_joined, 2, deadline_s=120)):
+        error = result["error"]
+        assert error is not None, f"rank {rank} did not raise"
+        assert "step 3" in error and "rank(s) 0's own gradients" in error, error
+        assert "Ranks with finite gradients: 1." in error, error
+        assert any(f"rank 0: '{name}' holds NaN" in error for name in NAMES), error

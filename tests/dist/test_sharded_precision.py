@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 import lockstep
 from lockstep.errors import NonFiniteGradientError, RankMismatchError
 from lockstep.testing import run_ranks
+from lockstep.testing.mesh import device_mesh
 
 BF16, FP32 = torch.bfloat16, torch.float32
 ENGINES = ("fsdp2", "stage1", "stage2", "stage3")
@@ -51,9 +52,10 @@ def _wrap(engine: str, reduce_dtype: torch.dtype, output: torch.dtype | None, sh
         from torch.distributed.fsdp import fully_shard
 
         inner = TorchPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)
+        mesh = device_mesh("cpu")  # explicit: the accelerator's would not fit a CPU model
         for block in model.blocks:
-            fully_shard(block, mp_policy=inner)
-        return fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=inner)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
     stage = int(engine.removeprefix("stage"))
     ours = lockstep.MixedPrecisionPolicy(BF16, reduce_dtype, output)
     return lockstep.ShardedDataParallel(

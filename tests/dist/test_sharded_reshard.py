@@ -21,6 +21,7 @@ import lockstep
 from lockstep.plan.measured import measured_bytes, planned_bytes, planned_gathered
 from lockstep.sharded.timeline import Timeline
 from lockstep.testing import run_ranks
+from lockstep.testing.mesh import device_mesh
 
 TOLERANCE = 0.05
 POLICY = lockstep.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -41,9 +42,10 @@ def _run(ctx, rule_name: str, policy, engine: str = "lockstep") -> dict:
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        mesh = device_mesh("cpu")  # explicit: the accelerator's would not fit a CPU model
         for block in plain.blocks:
-            fully_shard(block, reshard_after_forward=rule_name == "resharded")
-        model = fully_shard(plain)
+            fully_shard(block, mesh=mesh, reshard_after_forward=rule_name == "resharded")
+        model = fully_shard(plain, mesh=mesh)
     else:
         model = lockstep.ShardedDataParallel(
             plain, stage=3, wrap=[Block], mp_policy=policy, reshard_after_forward=RULES[rule_name]

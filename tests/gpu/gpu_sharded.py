@@ -14,6 +14,7 @@ from torch import nn
 import lockstep
 from lockstep.errors import RankMismatchError
 from lockstep.runtime import waits
+from lockstep.testing.mesh import device_mesh
 
 
 class Block(nn.Module):
@@ -49,12 +50,13 @@ def _use_device(device: str) -> None:
 def wrap(engine: str, model: nn.Module) -> nn.Module:
     if engine == "ddp":
         return lockstep.DistributedDataParallel(model)
-    if engine == "fsdp2":
+    if engine == "fsdp2":  # an explicit mesh: the accelerator's would not fit a CPU model
         from torch.distributed.fsdp import fully_shard
 
+        mesh = device_mesh(next(model.parameters()).device)
         for block in model.blocks:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     stage = int(engine.removeprefix("stage"))
     return lockstep.ShardedDataParallel(
         model, stage=stage, wrap=[Block] if stage == 3 else None, bucket_cap_mb=0.002

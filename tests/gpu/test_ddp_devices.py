@@ -44,7 +44,40 @@ def test_lockstep_matches_torch_ddp_bitwise(device, name, world):
     if reason is not None:
         pytest.skip(reason)
     for rank, results in enumerate(_results(device, world)):
+        for engine in ("lockstep", "torch"):
+            error = results[(name, engine)].get("error")
+            assert error is None, f"rank {rank}, world {world}, {device}, {engine}:\n{error}"
         diff = differences(results[(name, "lockstep")], results[(name, "torch")])
         assert not diff, f"rank {rank}, world {world}, {device}: {diff}"
         if device == "cuda":
             assert torch.cuda.is_available()
+
+
+def test_powersgd_on_the_cpu_is_skipped_where_cuda_is_visible(monkeypatch):
+    """torch's hook synchronises CUDA whenever it is available, even for CPU tensors."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert skip_reason("hook_powersgd", "cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "torch.cuda.synchronize" in skip_reason("hook_powersgd", "cpu")
+    assert skip_reason("hook_powersgd", "cuda") is None
+
+
+def test_a_case_that_raises_is_recorded_and_the_others_still_run(monkeypatch):
+    import ddp_cases
+
+    real = ddp_cases.train
+
+    def train(engine: str, name: str, *args):
+        if name == "plain" and engine == "lockstep":
+            raise ValueError("Expected a cuda device, but got: cpu")
+        return real(engine, name, *args)
+
+    monkeypatch.setattr(ddp_cases, "train", train)
+    monkeypatch.setattr(ddp_cases, "CASES", {k: CASES[k] for k in ("plain", "no_sync")})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = run_all(0, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
+    assert "Expected a cuda device" in out[("plain", "lockstep")]["error"]
+    assert "params" in out[("plain", "torch")] and "params" in out[("no_sync", "lockstep")]

@@ -69,10 +69,11 @@ SCENARIOS = {
     # (a kill inside backward, buckets in flight, opens test_live_faults.py's run)
     # rank 1 dies before its update of step 1: rank 0 meets the loss in the Monitor's loss
     # average (a collective between steps, `--monitor`); later rank 0 (the writer) dies
-    # after its buckets were reduced, while rank 1 is in the step's last collective (the
-    # non-finite check's agreement), and the state comes from rank 1's replacement
+    # after launching its buckets, before the step's last collective (the fingerprint,
+    # which carries the non-finite verdict), where rank 1 waits, and the state comes
+    # from rank 1's replacement
     # (the kill in forward is test_live_spares.py's and test_live_nodes.py's)
-    "1:1:optimizer,0:3:end_step": (
+    "1:1:optimizer,0:3:fingerprint": (
         ["0.0.0", "0.2.0", "1.0.0", "1.1.0"],
         [
             "[rank 0]: live recovery: generation 1, rank(s) [1] replaced during the "

@@ -6,8 +6,9 @@ Every step's global batch depends only on the step number, each rank keeps its o
 dropout stream (seeded by its rank), and tiny buckets make a step several
 all-reduces. LOCKSTEP_TEST_KILL="RANK:STEP:WHERE[,...]" makes rank RANK SIGKILL
 itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, after
-the other buckets were launched), "forward", "end_step" (its buckets reduced, before
-the non-finite check's agreement), "wrapper" (as the wrapper's forward starts, before
+the other buckets were launched), "forward", "fingerprint" (every bucket launched,
+before the step fingerprint, its last collective), "end_step" (its buckets reduced, in
+the engine's end-of-step actions), "wrapper" (as the wrapper's forward starts, before
 its own collectives), "optimizer" (before its update) or "close" (after the last
 step STEP, before the Monitor's close).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
@@ -92,6 +93,9 @@ def arm_kill(
         model[2].register_forward_pre_hook(lambda *_: die())
     elif where == "end_step" and ddp is not None:  # first of the engine's end-of-step actions
         ddp.reducer.driver.end_of_step.insert(0, die)
+    elif where == "fingerprint" and ddp is not None:  # the step's buckets out, not its fingerprint
+        driver, send = ddp.reducer.driver, ddp.reducer.driver.send_fingerprint
+        driver.send_fingerprint = lambda step: (die(), send(step))
     elif where == "wrapper" and ddp is not None:  # before the wrapper's own collectives
         ddp.register_forward_pre_hook(lambda *_: die())
     elif where == "optimizer":  # after the step's collectives, before its update

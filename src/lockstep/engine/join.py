@@ -5,9 +5,10 @@ forward of a rank that still has data first tells the context so (one
 all-reduce of a 1). A rank whose loop has ended waits in the context's exit,
 and for every step the others still run, `DDPJoinHook.main_hook` issues the
 same collectives they do, in the same order, with zeros: the bucket rebuild,
-the buffer broadcast, whether this step synchronises, the step fingerprint
-(`launch(None)`: a shadow is not counted), one collective per bucket through
-the same strategy, and the vote on unused parameters. Gradients are divided by
+the buffer broadcast, whether this step synchronises, one collective per bucket
+through the same strategy, the step fingerprint (`launch(None)`: a shadow is
+not counted; it carries the non-finite verdict too), and the vote on unused
+parameters. Gradients are divided by
 the initial world size, or by the ranks still running when asked. When all
 have joined, `post_hook` copies the last joiner's model to every rank, so the
 result equals torch DDP's. Under live recovery a rank declares itself not
@@ -167,18 +168,23 @@ class DDPJoinHook(JoinHook):
 def shadow_backward(ddp: JoinTarget) -> None:
     """The collectives of one synchronised backward, with zeros, in the reducer's order."""
     reducer, driver = ddp.reducer, ddp.reducer.driver
-    driver.fingerprint.launch(None)
+    driver.fingerprint.begin(None)
     last = len(driver.buckets) - 1
     handles = []
     for i, bucket in enumerate(driver.buckets):
         zeros = Bucket.build(bucket.index, bucket.params, bucket.param_indices, None)
         handles.append(driver.collective.launch(zeros, i == last))
+    inline = driver.collective.issues_inline()  # when the others send theirs (runtime/driver.py)
+    if inline:
+        driver.fingerprint.launch(None)
     for handle in handles:
         handle.wait()
+    if not inline:
+        driver.fingerprint.launch(None)
     driver.fingerprint.check()
     if reducer.votes_unused():
         votes = torch.zeros(
             len(reducer.params), dtype=torch.int32, device=control_device(reducer.group)
         )
         dist.all_reduce(votes, group=reducer.group)
-    ddp.nonfinite.end_step()  # the others' check of non-finite gradients (runtime/finite.py)
+    ddp.nonfinite.end_step(holds_results=False)  # the others' verdict (runtime/finite.py)

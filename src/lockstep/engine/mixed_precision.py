@@ -69,6 +69,9 @@ class MixedPrecisionReduce:
     def sent_bytes(self) -> int | None:
         return None
 
+    def issues_inline(self) -> bool:
+        return self.transport.inline
+
 
 class MixedPrecision:
     """Swaps parameters to param_dtype around forward-backward (see the module docstring).

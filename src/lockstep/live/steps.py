@@ -76,15 +76,18 @@ class LiveSteps:
         )
 
     def _relaunch(self, driver: BackwardDriver, step: StepState) -> None:
-        """The step's fingerprint and buckets again, from the kept local gradients."""
-        driver.fingerprint.launch(step.fingerprint)
+        """The step's buckets and fingerprint again, from the kept local gradients, in the
+        order of the first launch."""
         last = len(driver.buckets) - 1
         launched = driver.buckets[: step.next_bucket]
+        step.fingerprint_sent = False
         for index, bucket in enumerate(launched):
             bucket.buffer.copy_(self.kept[index])
             bucket.handle = driver.collective.launch(bucket, index == last)
+        if step.next_bucket > last:  # as the first launch: after the last bucket
+            driver.fingerprint_after_launch(step)
         for bucket in launched:
             assert bucket.handle is not None
             waits.wait(bucket.handle, "gradient bucket", driver.steps + 1, bucket.index, None)
             driver.sink.collected(bucket)
-        driver.fingerprint.check()
+        driver.check_fingerprint(step)

@@ -5,10 +5,16 @@ to it then, and whether the engine averages the gradients on their way into the
 bucket (`averaging(dtype)`: the 1/N rule, decided here once) or leaves them
 unscaled for the strategy to average itself, as torch's communication hooks do.
 
-| strategy | averaging | launch |
-|---|---|---|
-| `AllReduceMean` | by the engine: scaled while copied, or divided per bucket | SUM all-reduce |
-| `CommHookCollective` | by the hook | `hook(state, GradBucket) -> Future` |
+| strategy | averaging | launch | inline |
+|---|---|---|---|
+| `AllReduceMean` | by the engine: scaled while copied, or per bucket | SUM all-reduce | native |
+| `CommHookCollective` | by the hook | `hook(state, GradBucket) -> Future` | no |
+
+"Inline" (`issues_inline`): `launch` issues every collective of the bucket before it returns,
+on the calling thread. Only then may the driver issue the step fingerprint right
+after the last bucket; otherwise (a hook chaining collectives in callbacks, an
+algorithm on the communication thread) the ranks could issue them in different
+orders, so the fingerprint waits for the buckets.
 
 The sharded engine adds a reduce-scatter (`sharded/reduce_scatter.py`) beside them.
 """
@@ -44,6 +50,10 @@ class BucketCollective(Protocol):
         """Bytes handed to collectives since the last call, if not the buffers themselves."""
         ...
 
+    def issues_inline(self) -> bool:
+        """Whether `launch` issues all of a bucket's collectives before returning (this thread)."""
+        ...
+
 
 class AllReduceMean:
     """The default: gradients averaged by the engine, then one SUM all-reduce per bucket."""
@@ -65,6 +75,9 @@ class AllReduceMean:
     def sent_bytes(self) -> int | None:
         return None
 
+    def issues_inline(self) -> bool:
+        return self.transport.inline
+
 
 class CommHookCollective:
     """A communication hook with torch's contract: it averages, the engine does not."""
@@ -83,6 +96,9 @@ class CommHookCollective:
 
     def sent_bytes(self) -> int | None:
         return self._take_sent() if self._take_sent is not None else None
+
+    def issues_inline(self) -> bool:
+        return False  # torch's PowerSGD hook issues its second all-reduce in a callback
 
 
 class _Skipped:
@@ -117,3 +133,6 @@ class SkipUnusedBuckets:
 
     def sent_bytes(self) -> int | None:
         return self.inner.sent_bytes()
+
+    def issues_inline(self) -> bool:
+        return self.inner.issues_inline()

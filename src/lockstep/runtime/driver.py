@@ -6,17 +6,18 @@ hooks and fills its buckets; everything else about a step is here, once:
 | call | when | what the driver does |
 |---|---|---|
 | `arm` | end of a synchronised forward | a fresh `StepState` with this rank's fingerprint |
-| `start` | first hook (or the engine's sink) | launch the fingerprint, queue `_finalize` |
-| `filled` | a gradient reached its bucket | launch complete buckets, strictly in index order |
+| `start` | first hook (or the engine's sink) | note the backward, queue `_finalize` |
+| `filled` | a gradient reached its bucket | launch complete buckets in order; fingerprint last |
 | `_finalize` | autograd is done | stall-aware waits, fingerprint check, write-back, stats |
 
 The engine's side is a `GradientSink` (fill what no hook filled, take a finished
 bucket's result, write `.grad`). After write-back the driver runs its
 `end_of_step` actions (part of the step: mixed precision's fp32 restore, the
-non-finite check's agreement, a collective that live recovery finishes again like
-the buckets), then its `observers` (read-only: the tracer, the Monitor).
-CUDA streams belong here too, so both engines get them, and so does the one slot
-live recovery fills (`recovery`, a `StepRecovery`: `lockstep.live` installs it).
+non-finite check's decision, whose rare slow path is a collective that live
+recovery finishes again like the buckets), then its `observers` (read-only: the
+tracer, the Monitor). CUDA streams belong here too, so both engines get them, and
+so does the one slot live recovery fills (`recovery`, a `StepRecovery`:
+`lockstep.live` installs it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from lockstep.errors import LockstepError, UnusedParametersError
@@ -38,6 +40,7 @@ from lockstep.runtime.step_stats import StepMarks, StepStats, step_stats
 from lockstep.runtime.streams import at_backward_end
 
 StepObserver = Callable[[StepStats], None]
+Verdict = Callable[[], torch.Tensor | None]  # this rank's non-finite count, on the device
 _queue_at_backward_end = at_backward_end  # on the caller's streams: `runtime/streams.py`
 
 
@@ -114,6 +117,7 @@ class BackwardDriver:
         self.layout_hash = 0
         self.observers: list[StepObserver] = []
         self.end_of_step: list[Callable[[], None]] = []
+        self.verdict: Verdict = _no_verdict  # the non-finite check's (`runtime/finite.py`)
         # A collective that counts what it sent, per level (the sharded ring); None: ring figure.
         self.wire_counter: Callable[[], dict[str, int]] | None = None
         self.step: StepState | None = None  # None outside a synchronised backward
@@ -173,9 +177,9 @@ class BackwardDriver:
 
     # ---------------------------------------------------------- backward side
     def start(self, step: StepState) -> None:
-        """State "started": the fingerprint leaves, `_finalize` waits for autograd's end."""
+        """State "started": the backward is noted, `_finalize` waits for autograd's end."""
         step.started = True
-        self.fingerprint.launch(step.fingerprint)  # first of the step's collectives
+        self.fingerprint.begin(step.fingerprint.step)
         _queue_at_backward_end(self._finalize)
 
     def filled(self, step: StepState, bucket: Bucket) -> None:
@@ -204,6 +208,29 @@ class BackwardDriver:
             bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
             step.in_flight.append(bucket)
             step.next_bucket += 1
+            if step.next_bucket > last:  # every bucket checked: the verdict is complete
+                self.fingerprint_after_launch(step)
+
+    def fingerprint_after_launch(self, step: StepState) -> None:
+        """The last bucket is launched: send the fingerprint now, beside it, unless a bucket
+        may still issue collectives (`issues_inline`): then `check_fingerprint` sends it.
+
+        After the last bucket rather than at backward's start: the verdict it carries
+        covers every bucket, so the non-finite check needs no collective of its own.
+        """
+        if self.collective.issues_inline():
+            self.send_fingerprint(step)
+
+    def send_fingerprint(self, step: StepState) -> None:
+        """The step's fingerprint, with this rank's non-finite verdict."""
+        step.fingerprint_sent = True
+        self.fingerprint.launch(step.fingerprint, self.verdict())
+
+    def check_fingerprint(self, step: StepState) -> None:
+        """The buckets are waited: send the fingerprint if it was kept back, then check it."""
+        if not step.fingerprint_sent and step.next_bucket == len(self.buckets):
+            self.send_fingerprint(step)
+        self.fingerprint.check()
 
     def _finalize(self) -> None:
         """State "finalized": wait, write the results, record the step, drop its state."""
@@ -237,10 +264,11 @@ class BackwardDriver:
             self.recovery.finished()
 
     def _end_step(self, step: StepState) -> None:
-        """The `end_of_step` actions. One agrees across ranks (the non-finite check): a rank
-        lost there is recovered like one lost in the waits, since the step is not over yet:
-        the count goes back, the step's collectives run again with the replacement (which
-        resumes at this step), and the actions run again."""
+        """The `end_of_step` actions. One may run a collective (the non-finite check's slow
+        path, when a rank found one): a rank lost there is recovered like one lost in the
+        waits, since the step is not over yet: the count goes back, the step's collectives
+        run again with the replacement (which resumes at this step), and the actions run
+        again."""
         try:
             for action in self.end_of_step:
                 action()
@@ -263,4 +291,9 @@ class BackwardDriver:
         for bucket in self.buckets[: step.next_bucket]:  # collected early by a poll, too:
             if bucket.handle is not None:  # gloo marks a failed work completed; wait() raises
                 bucket.handle.wait()
-        self.fingerprint.check()
+        self.check_fingerprint(step)
+
+
+def _no_verdict() -> None:
+    """No non-finite check (nonfinite="off"): the fingerprint's last slot stays 0."""
+    return None

@@ -1,18 +1,21 @@
 """The step fingerprint: ranks that pair different steps are caught at the first one.
 
-Every synchronised step, when its backward starts and before any bucket is
-launched, each rank contributes three integers to one small asynchronous
-all-reduce: its count of synchronised steps, how many passes over its data have
-fed them (`lockstep.runtime.data_passes`), how many micro-batches this step
-accumulated (forwards under `no_sync()` plus one), and a hash of its bucket layout. The
-collective runs while backward computes and is checked when backward ends. For
-each value v a rank sends v and v*v, plus a 1 that counts the M ranks taking
-part; the sums satisfy M * sum(v*v) == sum(v)**2 only when every taking part
-sent the same v, so every rank reaches the same verdict and raises together,
-naming each rank's figures (one all_gather_object, on the error path only). A
-rank that has run out of data under Join shadows the collective with zeros
-(`launch(None)`): it takes no part and is not counted, but checks and raises
-with the others.
+Every synchronised step, once its last bucket is launched, each rank contributes
+three integers to one small asynchronous all-reduce: its count of synchronised
+steps, how many passes over its data have fed them (`lockstep.runtime.data_passes`),
+how many micro-batches this step accumulated (forwards under `no_sync()` plus one),
+and a hash of its bucket layout. The collective runs beside the last bucket's and
+is checked when backward ends. For each value v a rank sends v and v*v, plus a 1
+that counts the M ranks taking part; the sums satisfy M * sum(v*v) == sum(v)**2
+only when every taking part sent the same v, so every rank reaches the same verdict
+and raises together, naming each rank's figures (one all_gather_object, on the
+error path only). The same tensor carries the non-finite check's verdict
+(`runtime/finite.py`): a last slot with this rank's count of non-finite buckets,
+written on the device, so the check costs no collective and no host read of its
+own. `check` reads the sums once: with NCCL the step's one host synchronisation.
+A rank that has run out of data under Join shadows the collective with zeros
+(`launch(None)`, after its shadow buckets): it is not counted, but checks and
+raises with the others.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from lockstep.collectives.agreement import gather_from_ranks
 from lockstep.errors import RankMismatchError
 from lockstep.runtime import progress, waits
-from lockstep.runtime.control_device import control_device
+from lockstep.runtime.control_device import control_device, to_control_device
 from lockstep.runtime.handles import WorkHandle
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
@@ -45,45 +48,71 @@ class Fingerprint:
 
 
 class StepFingerprint:
-    """Launch the fingerprint of a step, then check it once the step's buckets are done."""
+    """Note a step's backward, launch its fingerprint after its buckets, check it at the end.
+
+    Attributes:
+        flagged: after `check`, the buckets whose local sum was not finite, counted over
+            every rank (0: no rank found a NaN or an infinity; `runtime/finite.py`).
+    """
 
     def __init__(self, process_group: dist.ProcessGroup | None, rank: int, world_size: int):
         self.group = process_group
         self.rank, self.world_size = rank, world_size
+        self.flagged = 0
         self._mine: Fingerprint | None = None
         self._sums: torch.Tensor | None = None
         self._work: dist.Work | None = None
+        self._flag: torch.Tensor | None = None  # a world of one: the verdict, read by `check`
         self._step = 0  # the step in progress, for progress notes and stall messages
 
-    def launch(self, mine: Fingerprint | None) -> None:
-        """Start the all-reduce of (1, v..., v*v...); None: a shadow of zeros (Join).
+    def begin(self, step: int | None) -> None:
+        """A synchronised backward began (None: a shadow under Join, the next step)."""
+        self._step = step if step is not None else self._step + 1
+        if self.world_size > 1:
+            progress.note(progress.Phase.BACKWARD, self._step)
 
-        A no-op for one rank.
+    def launch(self, mine: Fingerprint | None, flag: torch.Tensor | None = None) -> None:
+        """Start the all-reduce of (1, v..., v*v..., flag); None: a shadow of zeros (Join).
+
+        Args:
+            mine: this rank's fingerprint of the step.
+            flag: this rank's count of non-finite buckets, a tensor on the buckets' device
+                (None: none checked). Copied into the sums on the device, never read here.
         """
-        if self.world_size == 1:
-            return
         self._mine = mine
+        if self.world_size == 1:
+            self._flag = flag
+            return
         if mine is None:
-            self._sums = torch.zeros(1 + 2 * len(FIELDS), dtype=torch.int64)
+            sums = torch.zeros(2 + 2 * len(FIELDS), dtype=torch.int64)
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
-            self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
-        self._sums = self._sums.to(control_device(self.group))  # NCCL takes CUDA only
-        self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
-        self._step = mine.step if mine is not None else self._step + 1
-        progress.note(progress.Phase.BACKWARD, self._step)
+            one, zero = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+            sums = torch.cat([one, values, values * values, zero])
+        sums = to_control_device(sums, control_device(self.group))  # NCCL takes CUDA only
+        if flag is not None:
+            sums[-1:].copy_(flag.reshape(1))
+        self._sums = sums
+        self._work = dist.all_reduce(sums, group=self.group, async_op=True)
 
     def check(self) -> None:
-        """Wait for the sums; raise `RankMismatchError` on every rank if any value differs."""
+        """Wait for the sums; raise `RankMismatchError` on every rank if any value differs.
+
+        Sets `flagged`. The one host read of the step: one `tolist()` of the sums (with a
+        world of one, of the flag alone).
+        """
         if self._work is None:
+            flag, self._flag = self._flag, None
+            self.flagged = int(flag.item()) if flag is not None else 0
             return
         work, self._work = self._work, None
         waits.wait(WorkHandle(work), "step fingerprint", self._step, -1, self.group)
         progress.note(progress.Phase.SYNCHRONISED, self._step)
         assert self._sums is not None
         n = len(FIELDS)
-        taking_part, rest = int(self._sums[0]), self._sums[1:]
-        sums, squares = rest[:n].tolist(), rest[n:].tolist()
+        values = self._sums.tolist()
+        taking_part, sums, squares = values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n]
+        self.flagged = values[-1]
         if all(taking_part * sq == s * s for s, sq in zip(sums, squares, strict=True)):
             return
         raise self._mismatch(self._mine)

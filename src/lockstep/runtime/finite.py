@@ -1,14 +1,15 @@
-"""Non-finite gradients caught at the step where they appear, before the average spreads them.
+"""Non-finite gradients caught at the step where they appear, before the average is applied.
 
-Just before a bucket's collective starts, its local gradients are summed (one read
-of the bucket: a NaN or an infinity anywhere makes the sum non-finite; only then
-are its parameters looked at one by one). When the step's collectives are done,
-one all-reduce of a single integer tells every rank whether any rank found one.
-Only then does more happen: the ranks exchange what they found, every gradient is
+Just before a bucket's collective starts, its local gradients are summed on their
+device (one read of the bucket: a NaN or an infinity anywhere makes the sum
+non-finite). Nothing is read by the host then: once the last bucket is launched,
+this rank's count of non-finite sums rides in the step fingerprint's all-reduce
+(`runtime/fingerprint.py`), which every step makes and reads once at its end. Only
+when some rank found one does more happen (`FiniteGuard`): every gradient is
 dropped (`.grad = None`) and the step ends as the mode says: "raise" (default)
-raises `NonFiniteGradientError` on every rank, naming the rank(s), the step and
-the parameter; "skip" lets the run go on, its optimizer step doing nothing, and
-counts the skip; "off" checks nothing. Both engines wrap their bucket collective.
+raises `NonFiniteGradientError` on every rank, naming the rank(s), the step and the
+parameter; "skip" lets the run go on, its optimizer step doing nothing, and counts
+the skip; "off" checks nothing. Both engines wrap their bucket collective.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ import enum
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lockstep.errors import NonFiniteGradientError
-from lockstep.runtime import waits
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
-from lockstep.runtime.handles import CollectiveHandle, WorkHandle
+from lockstep.runtime.handles import CollectiveHandle
 
-# A bucket's parameters: (name, this rank's gradient of it inside the bucket's buffer).
+if TYPE_CHECKING:
+    from lockstep.runtime.driver import BackwardDriver
+
+# A bucket's parameters after its collective: (name, the part of its averaged gradient
+# this rank holds).
 Locate = Callable[[Bucket], Iterator[tuple[str, torch.Tensor]]]
 
 
@@ -65,18 +70,72 @@ def _fp16_autocast() -> bool:
     )
 
 
-def _kind(grad: torch.Tensor) -> str:
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _nonfinite_kind(grad: torch.Tensor) -> str | None:
+    """The kind, "NaN" or "inf", or None when finite (a quick sum first, then the exact look)."""
+    if grad.numel() == 0 or math.isfinite(grad.sum(dtype=_sum_dtype(grad.dtype)).item()):
+        return None
+    if bool(torch.isfinite(grad).all()):
+        return None  # the sum overflowed
     return "NaN" if bool(torch.isnan(grad).any()) else "inf"
 
 
+@dataclass(frozen=True)
+class Report:
+    """What one rank brings to the slow path.
+
+    Attributes:
+        rank: its rank in the group.
+        buckets: the buckets whose local sum was not finite on it, by index.
+        seen: (bucket index, parameter, "NaN" or "inf") for each parameter whose averaged
+            gradient is not finite in the part of the results this rank holds.
+    """
+
+    rank: int
+    buckets: list[int]
+    seen: list[tuple[int, str, str]]
+
+
+def attribute(reports: list[Report]) -> list[list[Finding]]:
+    """Each rank's findings: the non-finite parameters (seen by any rank) of the buckets
+    it flagged. A flagged bucket with no such parameter (its sum overflowed) adds none."""
+    seen: dict[int, dict[str, str]] = {}
+    for report in reports:
+        for index, name, kind in report.seen:
+            seen.setdefault(index, {}).setdefault(name, kind)
+    return [
+        [
+            Finding(report.rank, name, kind)
+            for index in report.buckets
+            for name, kind in seen.get(index, {}).items()
+        ]
+        for report in reports
+    ]
+
+
 class FiniteGuard:
-    """The check of one engine: wraps its bucket collective, ends each synchronised step.
+    """The check of one engine: wraps its bucket collective, decides each synchronised step.
+
+    The hot path is one `sum` per bucket, kept on the device, and a count of the
+    non-finite ones at backward's end (`verdict`), which the driver sends in the
+    step fingerprint: no host read per bucket (on a GPU, none per step beyond the
+    fingerprint's own), no collective of its own. The price is paid only when some
+    rank found one: by then each bucket's local gradients have been averaged in
+    place, so a flagging rank is named with the parameters whose *averaged* gradient
+    is not finite in the buckets it flagged (a NaN or inf in one rank's gradient
+    leaves the average non-finite at the same parameter). That is exact when one
+    rank found them; when several ranks flagged the same bucket, each is named with
+    that bucket's non-finite parameters, and the kind (NaN, inf) is the average's.
 
     Args:
         mode: "raise", "skip" or "off".
         process_group: the replicas' group.
         rank: this rank in `process_group`.
-        locate: a bucket's (name, local gradient) pairs, for the slow path only.
+        locate: a bucket's parameters and this rank's part of their averaged gradients,
+            for the slow path only.
         drop_grads: sets every gradient the engine leaves to None.
 
     Attributes:
@@ -99,9 +158,16 @@ class FiniteGuard:
         self.steps = 0
         self.skipped = 0
         self.last_step_skipped = False
-        self._found: dict[str, Finding] = {}  # by name: a bucket launched again adds nothing
-        self._device = torch.device("cpu")
+        self._sums: dict[int, torch.Tensor] = {}  # by bucket: a bucket launched again replaces
+        self._driver: BackwardDriver | None = None
         self.scaler_owns = False  # the step's forward ran under fp16 autocast
+
+    def attach(self, driver: BackwardDriver) -> None:
+        """Decide `driver`'s steps: its fingerprint carries `verdict`, `end_step` ends each."""
+        self._driver = driver
+        driver.end_of_step.append(self.end_step)
+        if self.mode != NonFinite.OFF:
+            driver.verdict = self.verdict
 
     def note_forward(self) -> None:
         """A synchronised forward ran: under fp16 autocast a gradient scaler owns overflow.
@@ -111,6 +177,7 @@ class FiniteGuard:
         nothing, raised nothing), whatever the mode.
         """
         self.scaler_owns = _fp16_autocast()
+        self._sums = {}
 
     def wrap(self, collective: BucketCollective) -> BucketCollective:
         """`collective`, checking each bucket before it starts (itself when the mode is off)."""
@@ -119,54 +186,70 @@ class FiniteGuard:
         return CheckedCollective(collective, self)
 
     def check_bucket(self, bucket: Bucket) -> None:
-        """Before the bucket's collective: note its non-finite local gradients, if any."""
-        buffer = bucket.buffer
-        self._device = buffer.device
+        """Before the bucket's collective: its local sum, kept on the device (not read)."""
         if self.scaler_owns:
             return
-        total = buffer.sum(dtype=torch.float64 if buffer.dtype == torch.float64 else torch.float32)
-        if math.isfinite(total.item()):
-            return
-        for name, grad in self.locate(bucket):  # slow path: which parameter, NaN or inf
-            if not bool(torch.isfinite(grad).all()):
-                self._found[name] = Finding(self.rank, name, _kind(grad))
+        buffer = bucket.buffer
+        self._sums[bucket.index] = buffer.sum(dtype=_sum_dtype(buffer.dtype))
 
-    def end_step(self) -> None:
-        """After the step's collectives, on every rank: agree, then raise or skip if any found.
+    def verdict(self) -> torch.Tensor | None:
+        """This rank's count of buckets whose sum is not finite, on their device (None: none
+        checked). Called once the last bucket is launched; nothing waits for the device."""
+        sums = list(self._sums.values())
+        if not sums:
+            return None
+        first = sums[0]
+        if any(s.dtype != first.dtype or s.device != first.device for s in sums):
+            sums = [s.to(first.device, torch.float64) for s in sums]
+        return torch.stack(sums).isfinite().logical_not().sum()
 
-        The agreement is one of the step's collectives: its wait is the engine's (stall
-        report, live recovery's interruption), and a rank lost in it leaves this guard
-        as it was before the step's end, so the step can be finished again.
+    def end_step(self, holds_results: bool = True) -> None:
+        """After the step's collectives, on every rank: raise or skip if any rank found one.
+
+        The verdict came back with the fingerprint, the same on every rank. Only when it
+        is not 0 do the ranks exchange what they found (one `all_gather_object`); a rank
+        lost in it leaves this guard as it was, so the step can be finished again.
+
+        Args:
+            holds_results: this rank holds the step's averaged gradients (False: it has
+                joined under Join and shadows the step).
 
         Raises:
             NonFiniteGradientError: in "raise" mode, on every rank, when any rank found one.
-            RuntimeError: the agreement failed (a rank was lost).
+            RuntimeError: the exchange failed (a rank was lost).
         """
         if self.mode == NonFinite.OFF:
             return
-        step = self.steps + 1
-        found = list(self._found.values())
-        count = torch.tensor([len(found)], dtype=torch.int64, device=self._device)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            work = dist.all_reduce(count, group=self.group, async_op=True)
-            waits.wait(WorkHandle(work), "non-finite check", step, -1, self.group)
-        self.steps, self._found = step, {}
-        self.last_step_skipped = bool(count.item())
+        assert self._driver is not None, "FiniteGuard.attach(driver) comes first"
+        everyone = self._exchange(holds_results) if self._driver.fingerprint.flagged else []
+        self.steps, self._sums = self.steps + 1, {}
+        self.last_step_skipped = any(everyone)
         if not self.last_step_skipped:
             return
-        everyone = self._gather(found)
         self.drop_grads()
         if self.mode == NonFinite.SKIP:
             self.skipped += 1
             return
         raise NonFiniteGradientError(describe(everyone, self.steps, self.rank))
 
-    def _gather(self, found: list[Finding]) -> list[list[Finding]]:
+    def _exchange(self, holds_results: bool) -> list[list[Finding]]:
+        """The slow path: this rank's flagged buckets and what it sees, from every rank."""
+        assert self._driver is not None
+        flagged = [i for i, total in self._sums.items() if not math.isfinite(total.item())]
+        seen = []
+        for bucket in self._driver.buckets if holds_results else []:
+            for name, grad in self.locate(bucket):
+                kind = _nonfinite_kind(grad)
+                if kind is not None:
+                    seen.append((bucket.index, name, kind))
+        return attribute(self._gather(Report(self.rank, flagged, seen)))
+
+    def _gather(self, mine: Report) -> list[Report]:
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return [found]
-        everyone: list[list[Finding] | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, found, group=self.group)
-        return [f or [] for f in everyone]
+            return [mine]
+        everyone: list[Report | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return [r for r in everyone if r is not None]
 
 
 def describe(everyone: list[list[Finding]], step: int, rank: int) -> str:
@@ -208,9 +291,13 @@ class CheckedCollective:
     def sent_bytes(self) -> int | None:
         return self.inner.sent_bytes()
 
+    def issues_inline(self) -> bool:
+        return self.inner.issues_inline()
+
 
 def bucket_params(names: list[str]) -> Locate:
-    """The DDP engine's buckets: one view per parameter, in `bucket.param_indices` order."""
+    """The DDP engine's buckets: one view per parameter (in `bucket.param_indices` order),
+    holding the averaged gradient once the bucket's collective is done."""
 
     def locate(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         for index, view in zip(bucket.param_indices, bucket.views, strict=True):
@@ -219,15 +306,18 @@ def bucket_params(names: list[str]) -> Locate:
     return locate
 
 
-def flat_params(flats: list) -> Locate:
-    """The sharded engine's buckets: one flat each (`bucket.index` is the flat's index)."""
+def flat_params(flats: list, rank: int) -> Locate:
+    """The sharded engine's buckets (one flat each, `bucket.param_indices[0]` its index):
+    the pieces of the flat's parameters in this rank's shard of the averaged gradient."""
     by_index = {flat.index: flat for flat in flats}
 
     def locate(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-        offset = 0
-        for slot in by_index[bucket.index].slots:
-            numel = slot.param.numel()
-            yield slot.names[0], bucket.buffer[offset : offset + numel]
-            offset += numel
+        flat = by_index[bucket.param_indices[0]]
+        grad = flat.shard.grad
+        if grad is None:
+            return
+        for piece in flat.layout.pieces(rank):
+            start = piece.shard_offset
+            yield flat.slots[piece.param].names[0], grad[start : start + piece.numel]
 
     return locate

@@ -6,8 +6,8 @@ method (`runtime/driver.py`), for both engines:
 | state | entered by | what happens |
 |---|---|---|
 | armed | `BackwardDriver.arm` (forward's end) | a fresh `StepState`; buckets reset |
-| started | `BackwardDriver.start` (first hook) | fingerprint sent, `_finalize` queued |
-| filling | `BackwardDriver.filled` (each hook) | slots filled; buckets launched in order |
+| started | `BackwardDriver.start` (first hook) | backward noted, `_finalize` queued |
+| filling | `BackwardDriver.filled` (each hook) | buckets launched in order; fingerprint last |
 | finalized | `BackwardDriver._finalize` (autograd done) | waits, results, `StepStats`; dropped |
 
 Outside a synchronised backward the driver holds no `StepState` (the engines'
@@ -39,6 +39,7 @@ class StepState:
         started: the first hook has run and `_finalize` is queued.
         next_bucket: index of the next bucket to launch (launches go in index order).
         in_flight: launched buckets whose collective is not yet seen finished, oldest first.
+        fingerprint_sent: the step fingerprint (with the non-finite verdict) is out.
     """
 
     forward_start: float
@@ -52,6 +53,7 @@ class StepState:
     started: bool = False
     next_bucket: int = 0
     in_flight: deque[Bucket] = field(default_factory=deque)
+    fingerprint_sent: bool = False
 
     @classmethod
     def armed(

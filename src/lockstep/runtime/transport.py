@@ -50,6 +50,11 @@ class Transport:
             # No thread outlives its transport, nor the interpreter (atexit).
             weakref.finalize(self, self._thread.shutdown, wait=False)
 
+    @property
+    def inline(self) -> bool:
+        """Whether `all_reduce` issues its collective on the calling thread (the native one)."""
+        return self._thread is None
+
     def all_reduce(self, tensor: torch.Tensor) -> CollectiveHandle:
         """Start summing `tensor` over the group, in place; `wait()` the returned handle."""
         if self._thread is None:

@@ -153,8 +153,9 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
         trainable = [flat for flat in self.flats if flat.trainable]
         if self.stage == 3:  # the last unit's gradient is ready first
             trainable.reverse()
+        locate = flat_params(trainable, self.mesh.shard_rank)  # the shard of each result
         self.nonfinite = FiniteGuard(  # runtime/finite.py: checked per flat, decided at the end
-            nonfinite, self.process_group, ctx.rank, flat_params(trainable), self._drop_grads
+            nonfinite, self.process_group, ctx.rank, locate, self._drop_grads
         )
         sync = GradSync(
             trainable,
@@ -168,7 +169,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             check_data_passes=check_data_passes,
         )
         sync.driver.collective = self.nonfinite.wrap(collective)  # buckets laid out unwrapped
-        sync.driver.end_of_step.append(self.nonfinite.end_step)
+        self.nonfinite.attach(sync.driver)
         sync.driver.wire_counter = getattr(collective, "take_wire_bytes", None)
         return sync
 

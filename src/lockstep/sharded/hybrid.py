@@ -109,6 +109,9 @@ class RingScatterReduce:
     def sent_bytes(self) -> int | None:
         return None
 
+    def issues_inline(self) -> bool:
+        return False  # on the communication thread
+
     def take_wire_bytes(self) -> dict[str, int]:
         """Bytes sent per level since the last call (the backward driver calls it each step)."""
         out = dict(self.sent)

@@ -78,6 +78,9 @@ class ReduceScatterMean:
     def sent_bytes(self) -> int | None:
         return None
 
+    def issues_inline(self) -> bool:
+        return True
+
     def take_wire_bytes(self) -> dict[str, int]:
         """Bytes sent since the last call (the driver calls it each step)."""
         sent, self.sent = self.sent, 0

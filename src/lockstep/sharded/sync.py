@@ -185,3 +185,6 @@ class _Recorded:
 
     def sent_bytes(self) -> int | None:
         return self.inner.sent_bytes()
+
+    def issues_inline(self) -> bool:
+        return self.inner.issues_inline()

@@ -3,14 +3,17 @@
 Each rank is a real process joined by a real gloo process group over loopback
 (a FileStore in a temporary directory: no port to collide on). Every collective
 gets a short timeout; a rank's exception is re-raised in the parent with its rank
-number and traceback; a rank that hangs fails the call within `deadline` seconds;
-every child is reaped before the call returns. Ranks start from a forkserver that
+number and traceback; a rank killed by a signal (a native crash: SIGSEGV, SIGABRT)
+is reported with the signal and the Python stacks `faulthandler` wrote as it died;
+a rank that hangs fails the call within `deadline` seconds; every child is reaped
+before the call returns. Ranks start from a forkserver that
 has torch already imported, so a spawn costs a fork, not a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -68,6 +71,8 @@ def _rank_main(
     )
     torch.set_num_threads(1)
     out = Path(workdir)
+    crash_log = open(out / f"fault_{rank}.txt", "w")  # noqa: SIM115 (open until os._exit)
+    faulthandler.enable(file=crash_log, all_threads=True)
     try:
         from lockstep.context import init, shutdown
 
@@ -180,11 +185,26 @@ def _raise_failure(procs: list[mp.Process], workdir: str, reason: str) -> None:
             lines.append(f"--- rank {rank} raised:\n{err.read_text()}")
         elif proc.exitcode not in (0, None):
             failed.append(rank)
-            lines.append(f"--- rank {rank} died with exit code {proc.exitcode}")
+            lines.append(f"--- rank {rank} died {_death(proc.exitcode, workdir, rank)}")
         elif proc.exitcode is None:
             lines.append(f"--- rank {rank} was still running (killed)")
     ranks = ", ".join(map(str, failed)) or "none (hung)"
     raise RankFailure(f"ranks {reason}; failed: {ranks}\n" + "\n".join(lines), failed)
+
+
+def _death(exitcode: int, workdir: str, rank: int) -> str:
+    """'with exit code 3', or 'by signal SIGSEGV' and the stacks faulthandler wrote."""
+    if exitcode >= 0:
+        return f"with exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    fault = Path(workdir) / f"fault_{rank}.txt"
+    stacks = fault.read_text().strip() if fault.exists() else ""
+    if not stacks:
+        return f"by signal {name} (exit code {exitcode}); faulthandler wrote nothing"
+    return f"by signal {name} (exit code {exitcode}); faulthandler's stacks:\n{stacks}"
 
 
 def _reap(procs: list[mp.Process]) -> None:
