@@ -1,8 +1,8 @@
 """Accelerate and transformers Trainer scripts, each run with torch's DDP and with lockstep's.
 
 `run_all(ctx, tmp)` runs every case twice in the same ranks: with accelerate's
-`Accelerator` (torch's engine) and with `lockstep.accelerate.Accelerator`; the
-Trainer case with transformers' `Trainer` and `lockstep.accelerate.Trainer`.
+`Accelerator` (torch's engine) and with `lockstep.adopt.accelerate.Accelerator`; the
+Trainer case with transformers' `Trainer` and `lockstep.adopt.accelerate.Trainer`.
 Each case returns what it can compare: final parameters, optimizer state,
 gradients, saved files. Tiny models built in code, data made from seeds.
 """
@@ -19,7 +19,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from safetensors.torch import load_file
 from torch import nn
 
-from lockstep.accelerate import Accelerator as LockstepAccelerator
+from lockstep.adopt.accelerate import Accelerator as LockstepAccelerator
 
 ENGINES = {"torch": TorchAccelerator, "lockstep": LockstepAccelerator}
 

@@ -1,7 +1,7 @@
 """Lightning Fabric and Trainer scripts, run with Lightning's DDP strategy and with lockstep's.
 
 Engine "torch" uses Lightning's `DDPStrategy` (or the name "ddp"); engine
-"lockstep" uses `lockstep.lightning.LockstepStrategy` / `LockstepFabricStrategy`
+"lockstep" uses `lockstep.adopt.lightning.LockstepStrategy` / `LockstepFabricStrategy`
 (or the registered name "lockstep") with the same arguments. Each case returns
 parameters, optimizer state and what it saved. The ranks' process group already
 exists; Lightning sees LOCAL_RANK and does not start processes of its own.
@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lockstep.lightning import LockstepFabricStrategy, LockstepStrategy
+from lockstep.adopt.lightning import LockstepFabricStrategy, LockstepStrategy
 
 FABRIC = {"torch": FabricDDPStrategy, "lockstep": LockstepFabricStrategy}
 TRAINER = {"torch": DDPStrategy, "lockstep": LockstepStrategy}

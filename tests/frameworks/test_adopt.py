@@ -29,6 +29,13 @@ def test_the_variables_values():
         adopt.engine_from_env({adopt.ENGINE_VARIABLE: "sharded"})
 
 
+def test_a_bad_value_read_from_the_process_environment_is_a_value_error(monkeypatch):
+    """The default path (no mapping given) reads os.environ; it once raised AttributeError."""
+    monkeypatch.setenv(adopt.ENGINE_VARIABLE, "lockstep2")
+    with pytest.raises(ValueError, match=r"found 'lockstep2' \(rank \?\)"):
+        adopt.engine_from_env()
+
+
 def _adopted(ctx) -> dict:
     # The ranks imported lockstep without LOCKSTEP_ENGINE: torch's class is untouched.
     untouched = "__new__" not in vars(TorchDDP) and not adopt.installed()

@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime"},
     {"engine", "sharded", "data"},
     {"observe", "checkpoint", "testing", "adopt"},
-    {"plan", "launch", "trace_hook", "accelerate", "lightning"},
+    {"plan", "launch", "trace_hook"},
     {"bench"},
     {"cli"},
     {"__init__"},

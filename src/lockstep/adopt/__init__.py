@@ -63,7 +63,7 @@ def uninstall() -> None:
 
 @contextmanager
 def adopted() -> Iterator[None]:
-    """Adoption inside the block only (what `lockstep.accelerate.Accelerator` uses)."""
+    """Adoption inside the block only (what `lockstep.adopt.accelerate.Accelerator` uses)."""
     was = installed()
     install()
     try:
@@ -90,7 +90,7 @@ def engine_from_env(environ: Mapping[str, str] | None = None) -> str:
     if value not in ENGINES:
         raise ValueError(
             f"{ENGINE_VARIABLE} must be one of 'torch', 'lockstep'; found {value!r} "
-            f"(rank {environ.get('RANK', '?')}). Unset it to keep torch's engine."
+            f"(rank {read_variable('RANK', environ) or '?'}). Unset it to keep torch's engine."
         )
     return value
 
