@@ -32,6 +32,12 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def _with_optimizer(kind: type[torch.optim.Optimizer], **kw: Any) -> tuple[nn.Module, Any]:
+    """A fresh network and an optimizer over its own parameters (not another network's)."""
+    net = _net()
+    return net, kind(net.parameters(), **kw)
+
+
 def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(1000 * step + rank))
 
@@ -50,7 +56,7 @@ def _fabric(engine: str, by_name: bool = False, **kwargs: Any) -> L.Fabric:
 def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """no_backward_sync over 2 micro-batches, clip_gradients, save, load and resume."""
     fabric = _fabric(engine)
-    model, opt = fabric.setup(_net(), torch.optim.Adam(_net().parameters(), lr=1e-2))
+    model, opt = fabric.setup(*_with_optimizer(torch.optim.Adam, lr=1e-2))
     for step in range(4):
         accumulating = step % 2 == 0
         with fabric.no_backward_sync(model, enabled=accumulating):
@@ -79,7 +85,7 @@ def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
 def case_fabric_bf16(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """precision="bf16-mixed" (autocast on CPU), the strategy given by its registered name."""
     fabric = _fabric(engine, by_name=True, precision="bf16-mixed")
-    model, opt = fabric.setup(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
+    model, opt = fabric.setup(*_with_optimizer(torch.optim.SGD, lr=0.1))
     for step in range(2):
         fabric.backward(model(_batch(rank, step)).square().mean())
         opt.step()

@@ -32,6 +32,7 @@ from lockstep.engine.args import (
 )
 from lockstep.engine.buffers import BufferSync
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
+from lockstep.engine.comm_hooks import check_comm_hook
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
 from lockstep.engine.live import LiveDDP
@@ -276,8 +277,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         The hook receives the bucket's flat buffer unscaled and must return a future
         whose value is the averaged buffer (torch's comm-hook contract). Once only.
         """
-        if not callable(hook):
-            raise ValueError(f"hook must be callable; found {type(hook).__name__}")
+        check_comm_hook(hook, self.ctx.rank)  # torch's refusals, torch's types
         if getattr(self, "_hooked", False):
             raise RuntimeError(
                 "register_comm_hook can only be called once; a hook is already registered"
