@@ -205,6 +205,34 @@ def case_peft_lora(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     return {**_state(model, opt), "adapter": adapter, "unwrapped": type(unwrapped).__name__}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """Eight samples from a seed, as a stream: Accelerate then dispatches batches."""
+
+    def __iter__(self) -> Any:
+        gen = torch.Generator().manual_seed(7)
+        return iter([torch.randn(6, generator=gen) for _ in range(8)])
+
+
+def case_dispatch_batches(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """An IterableDataset, so dispatch_batches=True (Accelerate's default for one): rank 0
+    alone reads the DataLoader and sends every rank its slice; two epochs of two steps.
+
+    The ranks' counts of reads differ by design; lockstep's step fingerprint must not
+    take that for uneven data (it once raised RankMismatchError at step 1).
+    """
+    acc = _accelerator(engine)
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=2)
+    model, opt, loader = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1), loader)
+    seen = []
+    for _ in range(2):
+        for x in loader:
+            seen.append(x.clone())
+            acc.backward(model(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+    return {**_state(model), "batches": seen, "dispatcher": type(loader).__name__}
+
+
 def case_fingerprint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """Rank 0 accumulates 2 micro-batches per step, rank 1 none: ranks pair different steps.
 

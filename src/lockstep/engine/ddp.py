@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,6 +162,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         params = [p for _, p in self.named_state(buffers=False)]
         self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
         self.reducer.driver.end_of_step.append(self.nonfinite.end_step)  # after _mp's restore
+        me = weakref.ref(self)  # the reducer holds no strong reference to its wrapper
+        self.reducer.sync_requested = lambda: (w := me()) is None or w.require_backward_grad_sync
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()

@@ -95,6 +95,9 @@ class Reducer:
         self.mark = self._mark_ready  # or its no-grad form in a create_graph backward
         self.static = False  # static graph (`engine/static_graph.py`) installs its hooks
         self.static_unused: set[int] | None = None  # static graph: known after step 1
+        # The wrapper's require_backward_grad_sync (set by the wrapper): a backward under
+        # no_sync() accumulates locally, as asked, even after a synchronised one.
+        self.sync_requested: Callable[[], bool] = lambda: True
         self._use_layout(self._groups(None))
         self._handles: list = []
         self.replace_hooks(self._hook_for)
@@ -211,8 +214,12 @@ class Reducer:
         return hook
 
     def outside_step(self, index: int) -> None:
-        """A hook outside a synchronised backward: note local use, refuse a second backward."""
-        if self.driver.graph_open:
+        """A hook outside a synchronised backward: note local use, refuse a second backward.
+
+        Under no_sync() it is a local accumulation, not a second backward: a framework's
+        forward may hold several backwards (Lightning's `toggle_model(sync_grad=False)`).
+        """
+        if self.driver.graph_open and self.sync_requested():
             raise second_backward(self.names[index], self.rank)
         if self._used_since_sync is not None:
             self._used_since_sync[index] = True

@@ -12,7 +12,9 @@ sent the same v, so every rank reaches the same verdict and raises together,
 naming each rank's figures (one all_gather_object, on the error path only). A
 rank that has run out of data under Join shadows the collective with zeros
 (`launch(None)`): it takes no part and is not counted, but checks and raises
-with the others.
+with the others. The data pass has a count of its own, of the ranks that read
+their data: a rank fed by another (Accelerate's dispatch_batches) says 0 and is
+not compared.
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ class StepFingerprint:
             return
         self._mine = mine
         if mine is None:
-            self._sums = torch.zeros(1 + 2 * len(FIELDS), dtype=torch.int64)
+            self._sums = torch.zeros(2 + 2 * len(FIELDS), dtype=torch.int64)
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
-            self._sums = torch.cat([torch.ones(1, dtype=torch.int64), values, values * values])
+            counts = torch.tensor([1, int(mine.data_pass > 0)], dtype=torch.int64)
+            self._sums = torch.cat([counts, values, values * values])
         self._sums = self._sums.to(control_device(self.group))  # NCCL takes CUDA only
         self._work = dist.all_reduce(self._sums, group=self.group, async_op=True)
         self._step = mine.step if mine is not None else self._step + 1
@@ -82,9 +85,10 @@ class StepFingerprint:
         progress.note(progress.Phase.SYNCHRONISED, self._step)
         assert self._sums is not None
         n = len(FIELDS)
-        taking_part, rest = int(self._sums[0]), self._sums[1:]
+        taking_part, reading, rest = int(self._sums[0]), int(self._sums[1]), self._sums[2:]
         sums, squares = rest[:n].tolist(), rest[n:].tolist()
-        if all(taking_part * sq == s * s for s, sq in zip(sums, squares, strict=True)):
+        parts = [reading if name == "data pass" else taking_part for name in FIELDS]
+        if all(m * sq == s * s for m, s, sq in zip(parts, sums, squares, strict=True)):
             return
         raise self._mismatch(self._mine)
 
