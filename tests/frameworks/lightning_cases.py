@@ -18,7 +18,6 @@ import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lockstep.adopt.lightning import LockstepFabricStrategy, LockstepStrategy
 
@@ -129,15 +128,52 @@ class Manual(Module):
         opt.zero_grad()
 
 
+class Gan(Module):
+    """Two optimizers, each stepped under `toggle_model`, as Lightning's GAN pattern has
+    them, each synchronising every other batch and accumulating locally
+    (`sync_grad=False`) in between: several backwards inside one DDP forward, a local
+    one first (even batches) or after a synchronised one (odd batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        x, odd = batch[0], index % 2 == 1
+        plan = zip(self.optimizers(), (self._first, self._second), (odd, not odd), strict=True)
+        for opt, loss, sync in plan:
+            with opt.toggle_model(sync_grad=sync):  # the other optimizer's parameters frozen
+                self.manual_backward(loss(x))
+                if sync:
+                    opt.step()
+                    opt.zero_grad()
+
+    def _first(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.net(x) + self.side(x)).square().mean()
+
+    def _second(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.side(x) - self.net(x)).abs().mean()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.net.parameters(), lr=1e-2),
+            torch.optim.SGD(self.side.parameters(), lr=0.1),
+        ]
+
+
 def _loader() -> torch.utils.data.DataLoader:
     data = torch.randn(32, 6, generator=torch.Generator().manual_seed(3))
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
 
 
 def _fit(
-    strategy: Any, tmp: Path, steps: int, module: Module | None = None, ckpt: str | None = None,
+    strategy: Any,
+    tmp: Path,
+    steps: int,
+    module: Module | None = None,
+    ckpt: str | None = None,
     **kw: Any,
-) -> Any:  # fmt: skip
+) -> Any:
     module = module or Module()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -169,18 +205,22 @@ def case_trainer_accumulate(engine: str, rank: int, tmp: Path) -> dict[str, Any]
     straight = _fit_state(trainer, module)
     trainer, module = _fit(name, tmp / engine, 5, ckpt=str(path), **kw)
     keys = sorted(torch.load(path, weights_only=False)["state_dict"])
-    return {"straight": straight, "resumed": _fit_state(trainer, module), "keys": keys,
-            "wrapper": module.wrapper}  # fmt: skip
+    resumed = _fit_state(trainer, module)
+    return {"straight": straight, "resumed": resumed, "keys": keys, "wrapper": module.wrapper}
 
 
 def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
-    """find_unused_parameters, static_graph, an fp16 comm hook, bf16-mixed, manual optimization."""
+    """find_unused_parameters, static_graph, bf16-mixed, manual optimization, the GAN pattern.
+
+    Not here: `ddp_comm_hook`, which Lightning registers on CUDA only (on CPU the run
+    would train without the hook): tests/gpu/test_lightning_comm_hook.py.
+    """
     runs = {
         "unused": ({"find_unused_parameters": True}, Module(use_side_every=2), {}),
         "static": ({"static_graph": True}, Module(), {}),
-        "fp16_hook": ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, Module(), {}),
         "bf16": ({}, Module(), {"precision": "bf16-mixed"}),
         "manual": ({}, Manual(), {}),
+        "gan": ({"find_unused_parameters": True}, Gan(), {}),
     }
     out = {}
     for key, (strategy_kw, module, trainer_kw) in runs.items():
@@ -188,6 +228,17 @@ def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
         trainer, module = _fit(strategy, tmp / engine, 3, module, **trainer_kw)
         out[key] = _fit_state(trainer, module)
     return out
+
+
+def case_unused_hint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """A parameter the loss never uses, without find_unused_parameters: both engines raise
+    at the second step, and Lightning adds its hint to the message (it matches torch's
+    "Expected to have finished reduction in the prior iteration")."""
+    try:
+        _fit(TRAINER[engine](), tmp / engine, 3, Module(use_side_every=1000))
+    except RuntimeError as exc:
+        return {"raised": "RuntimeError", "hint": "LightningModule has parameters" in str(exc)}
+    return {"raised": None}
 
 
 CASES = {

@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lockstep import adopt
@@ -52,13 +53,18 @@ def _adopted(ctx) -> dict:
         loss.backward()
         out["grad"] = model.module[0].weight.grad.clone()
         out["copy"] = type(copy.deepcopy(model)).__name__
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        out["comm_hook"] = model._get_ddp_logging_data()["comm_hook"]  # as Lightning reads it
         try:
             model._register_fused_optim(torch.optim.SGD, lr=0.1)
         except NotImplementedError as exc:
             out["refusal"] = str(exc)
     finally:
         adopt.uninstall()
-    out["after"] = type(TorchDDP(nn.Linear(2, 2))).__name__
+    theirs = TorchDDP(nn.Linear(2, 2))
+    out["after"] = type(theirs).__name__
+    theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    out["torch_comm_hook"] = theirs._get_ddp_logging_data()["comm_hook"]
     out["untouched"] = untouched
     return out
 
@@ -71,5 +77,6 @@ def test_torchs_constructor_builds_lockstep_engine_where_frameworks_look():
         assert out["keys"][0] == "module.0.weight" and out["module"] == "Sequential"
         assert out["copy"] == "TorchFacedDDP" and out["after"] == "DistributedDataParallel"
         assert "_register_fused_optim" in out["refusal"] and "LOCKSTEP_ENGINE" in out["refusal"]
+        assert out["comm_hook"] == out["torch_comm_hook"] == "fp16_compress_hook", out
     # prepare_for_backward armed the backward after no_sync: the gradients were averaged.
     assert torch.equal(per_rank[0]["grad"], per_rank[1]["grad"])

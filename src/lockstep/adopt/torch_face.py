@@ -22,6 +22,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.reducer import Reducer
+from lockstep.runtime.bucket_collective import CommHook
 
 # torch's own names that stay as torch defines them: class-level state that torch's
 # compiler reads on torch's class (`_get_active_ddp_module`), not on an instance.
@@ -119,9 +120,25 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
     state_dict = nn.Module.state_dict  # torch's keys: "module." + the module's
     load_state_dict = nn.Module.load_state_dict
 
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """lockstep's, and the hook's name kept for `_get_ddp_logging_data`, as torch does."""
+        super().register_comm_hook(state, hook)
+        self._comm_hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_comm_hook_name", None)  # a registered hook is not kept either
+        return state
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """What torch's logging data holds that lockstep knows; `can_set_static_graph` False."""
+        """What torch's logging data holds that lockstep knows; `can_set_static_graph` False.
+
+        `comm_hook` (the hook's `__qualname__`) is there once a hook is registered, as in
+        torch's (Lightning's tests read it).
+        """
+        hook = getattr(self, "_comm_hook_name", None)
         return {
+            **({"comm_hook": hook} if hook is not None else {}),
             "world_size": self.ctx.world_size,
             "rank": self.ctx.rank,
             "module_name": type(self.module).__name__,

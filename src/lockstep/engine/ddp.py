@@ -215,9 +215,11 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         refuse_inside_torch_ddp("lockstep.DistributedDataParallel")
         self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
-        grad_sync = grad_enabled and self.require_backward_grad_sync
         args, kwargs = self._pre_forward(grad_enabled, args, kwargs)
         output = self.module(*args, **kwargs)
+        # Read after the module, as torch does: Lightning's manual optimization turns the
+        # switch off inside its forward (its backwards arm themselves: prepare_for_backward).
+        grad_sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
