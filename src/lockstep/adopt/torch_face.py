@@ -14,6 +14,7 @@ reducer that is not there. `docs/frameworks.md` lists what is supported.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -34,7 +35,7 @@ _PROVIDED = {"_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate"}
 class TorchFacingReducer(Reducer):
     """lockstep's `Reducer` with the three calls frameworks make on torch's C++ reducer."""
 
-    unused_of: Callable[[Any], list[int]] | None = None  # set by the wrapper
+    unused_of: weakref.WeakMethod | None = None  # the wrapper's `_unused`, set by it
 
     def prepare_for_backward(self, outputs: Any = ()) -> None:
         """Arm the next backward to synchronise (after a forward that did not).
@@ -50,7 +51,8 @@ class TorchFacingReducer(Reducer):
                 "outputs itself. Expected static_graph=False; or unset LOCKSTEP_ENGINE."
             )
         now = time.perf_counter()
-        self.arm(self.unused_of(outputs) if self.unused_of else [], now, now)
+        unused_of = self.unused_of() if self.unused_of is not None else None
+        self.arm(unused_of(outputs) if unused_of is not None else [], now, now)
 
     def _rebuild_buckets(self) -> bool:
         """Re-bucket in the observed ready order if due; True when it did."""
@@ -115,7 +117,7 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
     def _build_runtime(self) -> None:
         super()._build_runtime()
         assert isinstance(self.reducer, TorchFacingReducer)
-        self.reducer.unused_of = self._unused
+        self.reducer.unused_of = weakref.WeakMethod(self._unused)  # the wrapper may go first
 
     state_dict = nn.Module.state_dict  # torch's keys: "module." + the module's
     load_state_dict = nn.Module.load_state_dict

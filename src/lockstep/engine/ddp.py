@@ -164,6 +164,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         self.reducer.driver.end_of_step.append(self.nonfinite.end_step)  # after _mp's restore
         me = weakref.ref(self)  # the reducer holds no strong reference to its wrapper
         self.reducer.sync_requested = lambda: (w := me()) is None or w.require_backward_grad_sync
+        weakref.finalize(self, self.reducer.remove_hooks)  # the module may outlive its wrapper
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()

@@ -130,6 +130,12 @@ class Reducer:
             for i, param in enumerate(self.params)
         ]
 
+    def remove_hooks(self) -> None:
+        """Take the hooks off the parameters (the wrapper is gone, as torch's reducer does)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def average_over(self, count: int) -> None:
         """Divide this step's gradients by `count` ranks (Join: the ranks not yet joined)."""
         for bucket in self.buckets:

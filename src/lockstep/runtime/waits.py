@@ -19,20 +19,20 @@ an optional bound of its own (a checkpoint's barrier).
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_variable
-from lockstep.runtime import progress
+from lockstep.runtime import progress, threads
 from lockstep.runtime.handles import CollectiveHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
@@ -56,7 +56,11 @@ class _Wait:
 
 
 class StallInspector:
-    """A daemon thread that wakes a few times per warning period while a wait is open."""
+    """A daemon thread that wakes a few times per warning period while a wait is open.
+
+    It ends when a process group is destroyed or the last wrapped model is collected
+    (`runtime/threads.py`); the next wait starts another.
+    """
 
     def __init__(self, warn_s: float, end_s: float | None = None) -> None:
         self.warn_s = warn_s
@@ -64,18 +68,21 @@ class StallInspector:
         self.current: _Wait | None = None
         self.last_message = ""  # the last warning logged, for tests and post-mortems
         self.lock = threading.Lock()  # a post and its withdrawal never cross
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lockstep-stall", daemon=True)
+        self._thread = threads.LockstepThread("lockstep-stall", self._run)
         self._thread.start()
+        threads.serves_wrapped_models(self)
+        weakref.finalize(self, self._thread.stop)  # at exit at the latest
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.stop()
 
-    def _run(self) -> None:
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._thread.stopping.is_set()
+
+    def _run(self, stopping: threading.Event) -> None:
         first = min(self.warn_s, self.end_s or self.warn_s)
         tick = max(0.05, min(1.0, first / 4))
-        while not self._stop.wait(tick):
+        while not stopping.wait(tick):
             wait = self.current
             if wait is None:
                 continue
@@ -222,13 +229,12 @@ def block(handle: CollectiveHandle, timeout_s: float | None = None) -> None:
 
 
 def inspector() -> StallInspector:
-    """The process's inspector, started at the first open wait; stopped at exit."""
+    """The process's inspector, started at an open wait when none runs; stopped at exit."""
     global _inspector
-    if _inspector is None:
+    if _inspector is None or not _inspector.alive():
         warn_s = read_seconds(WARN_VARIABLE, DEFAULT_WARN_S)
         end = read_variable(END_VARIABLE)
         _inspector = StallInspector(warn_s, read_seconds(END_VARIABLE, 1.0) if end else None)
-        atexit.register(_inspector.stop)
     return _inspector
 
 

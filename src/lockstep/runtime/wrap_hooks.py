@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lockstep.runtime.threads import model_wrapped
+
 WrapCallback = Callable[[Any], None]
 _callbacks: list[WrapCallback] = []
 
@@ -22,6 +24,11 @@ def on_wrap(callback: WrapCallback) -> None:
 
 
 def wrapped(model: Any) -> None:
-    """Called by an engine once its model is ready to train."""
+    """Called by an engine once its model is ready to train.
+
+    lockstep's process-wide threads (the stall inspector) end when the last model
+    wrapped is collected (`runtime/threads.py`).
+    """
+    model_wrapped(model)
     for callback in _callbacks:
         callback(model)
