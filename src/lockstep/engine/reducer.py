@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lockstep.context import DistContext
 from lockstep.engine import live_rebuild
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
+from lockstep.runtime import waits
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
@@ -159,7 +160,8 @@ class Reducer:
         order = self._ready_order
         if self.world_size > 1 and self.driver.live is None:
             sent = torch.tensor(order, dtype=torch.int64, device=control_device(self.group))
-            dist.broadcast(sent, self.root, group=self.group)
+            work = dist.broadcast(sent, self.root, group=self.group, async_op=True)
+            waits.collective(work, "bucket rebuild's broadcast", self.group)  # the stall watch
             order = sent.tolist()
         elif self.world_size > 1:  # under live recovery: `engine/live_rebuild.py`
             self._in_live_rebuild = True
@@ -305,7 +307,8 @@ class Reducer:
             return self.static_unused or set()
         # After every bucket is done, so no hook's collective can interleave with it.
         flags = torch.tensor(used, dtype=torch.int32, device=control_device(self.group))
-        dist.all_reduce(flags, group=self.group)
+        work = dist.all_reduce(flags, group=self.group, async_op=True)
+        waits.collective(work, "unused-parameter vote", self.group)
         unused = {i for i, n in enumerate(flags.tolist()) if n == 0}
         if self.static:
             self.static_unused = unused

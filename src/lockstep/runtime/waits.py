@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_variable
 from lockstep.runtime import progress, threads
-from lockstep.runtime.handles import CollectiveHandle
+from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
 DEFAULT_WARN_S = 30.0
@@ -236,6 +236,19 @@ def inspector() -> StallInspector:
         end = read_variable(END_VARIABLE)
         _inspector = StallInspector(warn_s, read_seconds(END_VARIABLE, 1.0) if end else None)
     return _inspector
+
+
+def collective(work: dist.Work | None, what: str, group: dist.ProcessGroup | None) -> None:
+    """Wait on a collective lockstep started with async_op=True, watched as the buckets are.
+
+    Every collective of the engine goes through here or `wait`, so a rank blocked in
+    any of them (the bucket rebuild's broadcast, the unused-parameter vote, the replicas'
+    broadcasts) shows as waiting, naming it, to the stall inspector and the launcher.
+    """
+    if work is not None:  # None: this rank is not in the group
+        record = progress.current()
+        step = record.step + (record.phase == progress.Phase.SYNCHRONISED)
+        wait(WorkHandle(work), what, step, -1, group)
 
 
 def wait(
