@@ -80,3 +80,24 @@ def test_torchs_constructor_builds_lockstep_engine_where_frameworks_look():
         assert out["comm_hook"] == out["torch_comm_hook"] == "fp16_compress_hook", out
     # prepare_for_backward armed the backward after no_sync: the gradients were averaged.
     assert torch.equal(per_rank[0]["grad"], per_rank[1]["grad"])
+
+
+def _mixed(ctx) -> dict:
+    """Rank 0 adopted, rank 1 not (a rank a framework started without the adoption)."""
+    if ctx.rank == 0:
+        adopt.install()
+    try:
+        TorchDDP(nn.Linear(4, 2))
+    except RuntimeError as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    finally:
+        adopt.uninstall()
+    return {"type": None}
+
+
+def test_ranks_that_built_different_engines_stop_at_the_wrap_naming_them():
+    """Neither hangs: lockstep's first collective has the shape of torch's first."""
+    ours, theirs = run_ranks(_mixed, 2, deadline_s=60)
+    assert ours["type"] == "RankMismatchError", ours
+    assert "rank(s) [1] built torch's, rank(s) [0] lockstep's" in ours["message"], ours
+    assert theirs["type"] == "RuntimeError" and "inconsistent" in theirs["message"], theirs

@@ -13,6 +13,7 @@ reducer that is not there. `docs/frameworks.md` lists what is supported.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -21,8 +22,10 @@ from typing import Any, NoReturn
 from torch import nn
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
+from lockstep.adopt import ENGINE_VARIABLE
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.reducer import Reducer
+from lockstep.env import read_variable
 from lockstep.runtime.bucket_collective import CommHook
 
 # torch's own names that stay as torch defines them: class-level state that torch's
@@ -111,6 +114,10 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
 
     _reducer_type = TorchFacingReducer
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _announce(self.ctx.rank, self.ctx.world_size, self._engines_checked)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> TorchFacedDDP:
         return object.__new__(cls)  # not torch's class's, which adoption may redirect here
 
@@ -154,6 +161,31 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Accepted; lockstep's step statistics are always on (`observe/`)."""
+
+
+_announced = [False]
+
+
+def _announce(rank: int, world_size: int, checked: bool) -> None:
+    """Once per process, on rank 0: which engine torch's class built, on which ranks.
+
+    Every rank sent its engine in the wrap's first collective (`runtime/same_engine.py`);
+    had one built torch's, the wrap would have raised instead, naming it.
+    """
+    if _announced[0] or rank != 0:
+        return
+    _announced[0] = True
+    where = (
+        f"on all {world_size} ranks"
+        if checked or world_size == 1
+        else "on rank 0 (the other ranks unchecked: init_sync=False)"
+    )
+    print(
+        f"lockstep: torch's DistributedDataParallel built lockstep's engine {where} "
+        f"({ENGINE_VARIABLE}={read_variable(ENGINE_VARIABLE) or 'unset, adopted in code'})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _owner(cls: type, name: str) -> type | None:

@@ -45,6 +45,7 @@ from lockstep.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime import live
 from lockstep.runtime.bucket_collective import CommHook, CommHookCollective
 from lockstep.runtime.replicate import broadcast_tensors
+from lockstep.runtime.same_engine import verify_same_engine
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import SyncToggle
 from lockstep.runtime.transport import NATIVE
@@ -64,7 +65,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
     Raises:
         RuntimeError: no trainable parameter; process_group with device_mesh.
         ValueError: device_ids on a CPU module; an argument out of range.
-        RankMismatchError: ranks hold different parameters (raised on every rank).
+        RankMismatchError: ranks hold different parameters (raised on every rank); some
+            rank built torch's engine (raised on those that built lockstep's).
     """
 
     _reducer_type: type[Reducer] = Reducer  # a subclass may add calls (adopt/torch_face.py)
@@ -109,6 +111,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
             local_world_size, check_data_passes, nonfinite,
         )  # fmt: skip
         refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
+        self._engines_checked = self._check_engines(args)  # first: shaped like torch's first
         refuse_meta(module, args.group, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
@@ -121,6 +124,17 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, Buffer
         if self._delayed is not None:  # as torch: whatever init_sync says
             self._delayed.broadcast_from(self.ctx.global_rank(0))
         wrapped(self)  # upper layers attach here (LOCKSTEP_TRACE: `lockstep/trace_hook.py`)
+
+    @staticmethod
+    def _check_engines(args: DDPArguments) -> bool:
+        """Whether every rank built lockstep's engine was checked (`runtime/same_engine.py`)."""
+        if not (args.init_sync and dist.is_available() and dist.is_initialized()):
+            return False
+        world_size = dist.get_world_size(args.group)
+        if world_size == 1 or live.joining():
+            return False
+        verify_same_engine(args.group, dist.get_rank(args.group), world_size)
+        return True
 
     def _build_settings(self, args: DDPArguments, ignored: set[str]) -> None:
         """Plain attributes with torch's names; everything here pickles."""
