@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 from torch import nn
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
-from lockstep.adopt import ENGINE_VARIABLE
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.reducer import Reducer
 from lockstep.env import read_variable
@@ -164,6 +163,7 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
 
 
 _announced = [False]
+_VARIABLE = "LOCKSTEP_ENGINE"  # lockstep.adopt.ENGINE_VARIABLE (that package imports this one)
 
 
 def _announce(rank: int, world_size: int, checked: bool) -> None:
@@ -182,7 +182,7 @@ def _announce(rank: int, world_size: int, checked: bool) -> None:
     )
     print(
         f"lockstep: torch's DistributedDataParallel built lockstep's engine {where} "
-        f"({ENGINE_VARIABLE}={read_variable(ENGINE_VARIABLE) or 'unset, adopted in code'})",
+        f"({_VARIABLE}={read_variable(_VARIABLE) or 'unset, adopted in code'})",
         file=sys.stderr,
         flush=True,
     )
