@@ -1,6 +1,6 @@
 """Adoption: torch's `DistributedDataParallel(...)` builds lockstep's engine in this process.
 
-    LOCKSTEP_ENGINE=lockstep                 read by `import lockstep` and `lockstep run`
+    LOCKSTEP_ENGINE=lockstep                 read in every process (lockstep-engine.pth)
     lockstep run --nproc-per-node 2 --engine lockstep train.py
     torchrun --nproc-per-node 2 -m lockstep.adopt train.py      # also: accelerate launch -m
     python -m lockstep.adopt train.py
@@ -9,7 +9,9 @@
 (`adopt/torch_face.py`), a subclass of torch's class, so a framework that
 imported torch's name long before still gets lockstep's engine, and its
 `isinstance` checks hold. `uninstall()` turns it off. Nothing of torch is touched
-unless one of the lines above asks for it.
+unless one of the lines above asks for it. The variable reaches processes that never
+import lockstep (a framework's relaunched ranks, `mp.spawn`) through the `.pth` file
+installed with the package (`src/_lockstep_adopt.py`).
 """
 
 from __future__ import annotations
