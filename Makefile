@@ -60,7 +60,7 @@ compat: install
 
 # Accelerate's own distributed test scripts (shipped in the installed package), each under
 # torchrun with 2 CPU processes, on torch's engine and on lockstep's, side by side (not in
-# `test`, for time: about 3 minutes on 2 quiet cores); logs in runs/frameworks/.
+# `test`, for time: about 90 s on 2 cores); logs in runs/frameworks/.
 frameworks: install
 	PYTHONPATH=src $(BIN)/python tests/frameworks/peer_scripts.py
 
