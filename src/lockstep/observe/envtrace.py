@@ -15,6 +15,7 @@ import atexit
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def attach_trace_from_env(model: Any) -> EnvTracer | None:
     world_size = dist.get_world_size() if initialized else 1
     tracer = EnvTracer(directory, rank, world_size, read_trace_flush_s())
     model.add_step_observer(tracer)
-    threads.stops_with_group(tracer, owner=model)  # its writer thread ends with them
+    threads.stops_with_group(tracer)  # its writer thread ends with the groups
+    weakref.finalize(model, tracer.close)  # and the tracer with the model
     return tracer
 
 
@@ -130,6 +132,9 @@ class EnvTracer:
         begin = stats.start if self._last_end is None else self._last_end
         self.recorder.record_step(stats.step, stats, begin, end)
         self._last_end = end
+        if not self._thread.is_alive():  # stopped with a destroyed group (live recovery)
+            self._thread = threads.LockstepThread("lockstep-trace", self._loop)
+            self._thread.start()
 
     def hand_over(self, rank: int, max_steps: int) -> TraceRecorder:
         """Give the trace file to a `Monitor`: it records from now on; writes go on as before.
@@ -171,8 +176,10 @@ class EnvTracer:
             del _active[path]
 
     def stop(self) -> None:
-        """`close()`: the last steps written, the writer thread ended."""
-        self.close()
+        """End the writer thread with the steps so far written (a process group was
+        destroyed); the next step starts it again. `close()` ends the tracer."""
+        self._thread.stop()
+        self.flush()
 
     def _at_exit(self) -> None:
         if os.getpid() == self._pid:
