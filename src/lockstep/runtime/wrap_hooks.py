@@ -8,6 +8,7 @@ the LOCKSTEP_TRACE tracer this way when `lockstep` is imported.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,3 +33,19 @@ def wrapped(model: Any) -> None:
     model_wrapped(model)
     for callback in _callbacks:
         callback(model)
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., None]:
+    """`method` (bound to a wrapper), called only while the wrapper lives.
+
+    What a hook on the model's parameters holds must not hold the wrapper: the model
+    may outlive it (a LightningModule does), and a wrapper kept alive keeps its threads.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call

@@ -68,6 +68,7 @@ class RingScatterReduce:
         self.segment_bytes = NETWORK_SEGMENT_BYTES if spans_nodes else SEGMENT_BYTES
         self.sent = {SHARD_LEVEL: 0, REPLICA_LEVEL: 0} if mesh.hybrid else {SHARD_LEVEL: 0}
         self._thread = Worker("lockstep-scatter", owner=self)
+        self.stop = self._thread.stop  # the wrapper ends it too (`sharded/engine.py`)
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
         return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None
