@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # A CPU build of torch: pinned so that no tool resolves a multi-GB CUDA build.
 TORCH   := torch==2.13.0
 
-.PHONY: install test test-fast demo lint format bench soak clean compat gpu-check
+.PHONY: install test test-fast demo lint format bench soak clean compat frameworks gpu-check
 
 install: $(STAMP)
 
@@ -60,6 +60,12 @@ clean:
 # torch's own DDP test suite, with torch's class and with lockstep's, side by side (not in `test`).
 compat: install
 	PYTHONPATH=src $(BIN)/python tests/compat/compare.py
+
+# Accelerate's own distributed test scripts (shipped in the installed package), each under
+# torchrun with 2 CPU processes, on torch's engine and on lockstep's, side by side (not in
+# `test`, for time: about 90 s on 2 cores); logs in runs/frameworks/.
+frameworks: install
+	PYTHONPATH=src $(BIN)/python tests/frameworks/peer_scripts.py
 
 # Every GPU test and benchmark, one table, < 10 min; the GPU machine's own python, nothing
 # installed (GPU_PY=...); without CUDA the CUDA tests skip and benchmarks run at smoke sizes.

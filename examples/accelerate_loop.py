@@ -7,7 +7,7 @@
 
 Nothing below names lockstep: `--engine lockstep` (LOCKSTEP_ENGINE=lockstep) makes
 torch's DistributedDataParallel, which Accelerate builds, lockstep's engine in each
-worker. The one-line alternative in code: `from lockstep.accelerate import Accelerator`.
+worker. The one-line alternative in code: `from lockstep.adopt.accelerate import Accelerator`.
 The last line prints the wrapper's class (TorchFacedDDP with lockstep's engine) and
 a checksum of the weights, the same with both engines.
 """

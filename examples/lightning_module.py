@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/lightning_module.py
     python examples/lightning_module.py --devices 2    # Lightning starts the processes itself
 
-`import lockstep.lightning` registers the strategy name "lockstep" (for the
+`import lockstep.adopt.lightning` registers the strategy name "lockstep" (for the
 Trainer and for Fabric); it takes the arguments of Lightning's DDP strategy. With
 `--strategy ddp` the script is a plain Lightning script, and `lockstep run
 --engine lockstep` (or `torchrun -m lockstep.adopt`) still runs it on lockstep's
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lockstep.lightning  # noqa: F401 (registers strategy="lockstep")
+import lockstep.adopt.lightning  # noqa: F401 (registers strategy="lockstep")
 
 
 class Regressor(L.LightningModule):

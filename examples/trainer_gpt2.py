@@ -6,7 +6,7 @@
 
 The script is a plain Trainer script: the Trainer hands the model to Accelerate,
 which builds torch's DistributedDataParallel, which `--engine lockstep` turns into
-lockstep's engine. In code instead: `from lockstep.accelerate import Trainer`.
+lockstep's engine. In code instead: `from lockstep.adopt.accelerate import Trainer`.
 Checkpoints go to runs/trainer_gpt2/ every 4 steps; a re-run with `--resume`
 continues from the last one. Nothing is downloaded: model and data are made here.
 """

@@ -6,6 +6,8 @@ Reducer when a `DistributedDataParallel` dies, the group is destroyed with the G
 held: the two threads wait for each other for ever. Freed during interpreter shutdown,
 the worker thread is killed where it waits, and the process aborts. So every group
 is pinned here when torch makes it, and released by `release()` once the script ended.
+The same table tells when a group is destroyed: `on_destroyed` callbacks run then
+(lockstep's threads end with the groups they serve: `runtime/threads.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gc
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -29,15 +32,38 @@ import torch.distributed.nn.functional  # noqa: F401
 SETTLE_S = 0.05  # GIL released this long before the groups go: worker threads finish
 _pins: list[Any] = []
 _lock = threading.Lock()
+_on_destroyed: list[Callable[[], None]] = []
+
+
+def on_destroyed(callback: Callable[[], None]) -> None:
+    """Run `callback()` whenever torch destroys a process group (idempotent)."""
+    if callback not in _on_destroyed:
+        _on_destroyed.append(callback)
+
+
+def _destroyed() -> None:
+    for callback in list(_on_destroyed):
+        callback()
 
 
 class _PinningMap(dict):
-    """torch's table of live groups; each group that enters it is also kept in `_pins`."""
+    """torch's table of live groups; each group that enters it is also kept in `_pins`,
+    and each that leaves it (`destroy_process_group`) is announced to `on_destroyed`."""
 
     def __setitem__(self, group: Any, value: Any) -> None:
         with _lock:
             _pins.append(group)
         super().__setitem__(group, value)
+
+    def __delitem__(self, group: Any) -> None:
+        super().__delitem__(group)
+        _destroyed()
+
+    def clear(self) -> None:
+        had_groups = bool(self)
+        super().clear()
+        if had_groups:
+            _destroyed()
 
 
 def install() -> None:

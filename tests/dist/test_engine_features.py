@@ -20,6 +20,7 @@ from lockstep.engine.comm_hooks import (
 )
 from lockstep.engine.powersgd import PowerSGDState, powersgd_hook
 from lockstep.errors import UnusedParametersError
+from lockstep.runtime.bucket import GradBucket
 from lockstep.testing import RankFailure, run_ranks
 
 
@@ -57,6 +58,10 @@ def test_unused_parameters_make_next_forward_raise_on_every_rank():
         assert "find_unused_parameters=True" in message
 
 
+def _torch_bf16(state: object, bucket: GradBucket) -> torch.futures.Future:
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
 def _train_with_hook(ctx, engine: str, hook_name: str, steps: int = 4):
     torch.manual_seed(0)
     model = MLP(32)
@@ -73,8 +78,8 @@ def _train_with_hook(ctx, engine: str, hook_name: str, steps: int = 4):
         if hook_name == "torch-mean":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             state = None
-        elif hook_name == "torch-bf16":  # torch DDP refuses bf16 on CPU; our engine runs it
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif hook_name == "torch-bf16":  # torch's arithmetic, under another name: torch
+            ddp.register_comm_hook(None, _torch_bf16)  # refuses its own name without NCCL
             state = None
         elif hook_name == "powersgd-full":
             state = PowerSGDState(rank=32, start_iter=0, min_compression_ratio=0.0)

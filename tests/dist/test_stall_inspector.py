@@ -53,6 +53,17 @@ def test_a_waiting_rank_names_the_rank_that_has_not_launched_its_bucket():
         assert torch.equal(mine, theirs)
 
 
+def test_a_rank_blocked_in_the_bucket_rebuild_is_seen_waiting():
+    """The one rebuild of the buckets (before step 2's forward) broadcasts rank 0's ready
+    order: a rank blocked there waits on a collective like any other (the stall watch
+    once missed it, and a run stuck there never ended)."""
+    env = {"LOCKSTEP_STALL_WARN_S": "0.4"}
+    results = run_ranks(_pause_rank1_at_step, 2, 1, 1.5, env=env, deadline_s=120)
+    message = results[0][0]
+    assert "bucket rebuild's broadcast of step 2" in message, message
+    assert "rank(s) 1 have not launched it" in message, message
+
+
 def _workers(n: int) -> list[Worker]:
     return [Worker(local_rank=r, global_rank=r, role_rank=r, world_size=n) for r in range(n)]
 

@@ -1,8 +1,8 @@
 """Accelerate and transformers Trainer scripts, each run with torch's DDP and with lockstep's.
 
 `run_all(ctx, tmp)` runs every case twice in the same ranks: with accelerate's
-`Accelerator` (torch's engine) and with `lockstep.accelerate.Accelerator`; the
-Trainer case with transformers' `Trainer` and `lockstep.accelerate.Trainer`.
+`Accelerator` (torch's engine) and with `lockstep.adopt.accelerate.Accelerator`; the
+Trainer case with transformers' `Trainer` and `lockstep.adopt.accelerate.Trainer`.
 Each case returns what it can compare: final parameters, optimizer state,
 gradients, saved files. Tiny models built in code, data made from seeds.
 """
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator as TorchAccelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from safetensors.torch import load_file
 from torch import nn
 
-from lockstep.accelerate import Accelerator as LockstepAccelerator
+from lockstep.adopt.accelerate import Accelerator as LockstepAccelerator
 
 ENGINES = {"torch": TorchAccelerator, "lockstep": LockstepAccelerator}
 
@@ -54,6 +54,12 @@ def _model(seed: int = 0) -> nn.Module:
     return Branchy()
 
 
+def _with_optimizer(kind: type[torch.optim.Optimizer], **kw: Any) -> tuple[nn.Module, Any]:
+    """A fresh model and an optimizer over its own parameters (not another model's)."""
+    model = _model()
+    return model, kind(model.parameters(), **kw)
+
+
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()]}
     if opt is not None:
@@ -72,7 +78,7 @@ def _train(acc: Any, model: nn.Module, opt: Any, rank: int, steps: int, **fw: An
 def case_accumulate_clip(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """accumulate() over 2 micro-batches, clip_grad_norm_ at each sync, Adam."""
     acc = _accelerator(engine, gradient_accumulation_steps=2)
-    model, opt = acc.prepare(_model(), torch.optim.Adam(_model().parameters(), lr=1e-2))
+    model, opt = acc.prepare(*_with_optimizer(torch.optim.Adam, lr=1e-2))
     for step in range(4):
         with acc.accumulate(model):
             acc.backward(model(_batch(rank, step)).square().mean())
@@ -86,7 +92,7 @@ def case_accumulate_clip(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
 def case_trigger_sync(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """no_sync() for two forwards, then trigger_sync_in_backward() for the second backward."""
     acc = _accelerator(engine)
-    model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    model, opt = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1))
     with acc.no_sync(model):
         acc.backward(model(_batch(rank, 0)).square().mean())
     with acc.no_sync(model):
@@ -101,7 +107,7 @@ def case_trigger_sync(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
 def case_save_load(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """unwrap_model, save_model (safetensors keys), save_state / load_state and resume."""
     acc = _accelerator(engine)
-    model, opt = acc.prepare(_model(), torch.optim.Adam(_model().parameters(), lr=1e-2))
+    model, opt = acc.prepare(*_with_optimizer(torch.optim.Adam, lr=1e-2))
     _train(acc, model, opt, rank, 2)
     where = tmp / engine
     acc.save_model(model, where / "model")
@@ -115,22 +121,40 @@ def case_save_load(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     return {**_state(model, opt), "saved": saved, "unwrapped": type(unwrapped).__name__}
 
 
-def _hooked(engine: str, rank: int, hook: str, **options: Any) -> dict[str, Any]:
-    kwargs = DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=options)
+def _hooked(engine: str, rank: int, hook: str, wrapper: str = "no", **options: Any) -> Any:
+    """A comm hook set through DistributedDataParallelKwargs; `hook` is the enum's value.
+
+    The enum itself is passed: Accelerate looks the hook up by enum, and a plain
+    string registers no hook at all (a case that then cannot fail).
+    """
+    kwargs = DistributedDataParallelKwargs(
+        comm_hook=DDPCommunicationHookType(hook),
+        comm_wrapper=DDPCommunicationHookType(wrapper),
+        comm_state_option=options,
+    )
     acc = _accelerator(engine, kwargs_handlers=[kwargs])
-    model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    try:
+        model, opt = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1))
+    except TypeError as exc:  # torch refuses bf16 hooks without NCCL: so must lockstep
+        return {"refused": type(exc).__name__}
+    assert getattr(model, "_comm_hooks", None) or getattr(model, "_hooked", False), "no hook"
     _train(acc, model, opt, rank, 3)
     return _state(model, opt)
 
 
 def case_comm_hooks(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
-    """fp16, bf16 and PowerSGD hooks set through DistributedDataParallelKwargs."""
+    """fp16, bf16 and PowerSGD hooks set through DistributedDataParallelKwargs, and
+    comm_wrapper="fp16" around PowerSGD (whose first steps are plain all-reduces).
+
+    bf16 (hook or wrapper) is refused by torch on a build without NCCL, with TypeError.
+    """
+    power_sgd = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
     return {
         "fp16": _hooked(engine, rank, "fp16"),
         "bf16": _hooked(engine, rank, "bf16"),
-        "power_sgd": _hooked(
-            engine, rank, "power_sgd", matrix_approximation_rank=1, start_powerSGD_iter=2
-        ),
+        "power_sgd": _hooked(engine, rank, "power_sgd", **power_sgd),
+        "fp16_wrapper": _hooked(engine, rank, "power_sgd", "fp16", **power_sgd),
+        "bf16_wrapper": _hooked(engine, rank, "power_sgd", "bf16", **power_sgd),
     }
 
 
@@ -142,7 +166,7 @@ def case_graph_kwargs(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
             kwargs = {"static_graph": True}
         handler = DistributedDataParallelKwargs(**kwargs)
         acc = _accelerator(engine, kwargs_handlers=[handler])
-        model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        model, opt = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1))
         for step in range(3):
             use_side = name != "unused" or step % 2 == 1
             acc.backward(model(_batch(rank, step), use_side=use_side).square().mean())
@@ -158,7 +182,7 @@ def case_mixed_bf16(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     Not here: join_uneven_inputs, which accelerate turns into a no-op on CPU.
     """
     acc = _accelerator(engine, mixed_precision="bf16")
-    model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    model, opt = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1))
     _train(acc, model, opt, rank, 2)
     return _state(model)
 
@@ -181,6 +205,34 @@ def case_peft_lora(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     return {**_state(model, opt), "adapter": adapter, "unwrapped": type(unwrapped).__name__}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """Eight samples from a seed, as a stream: Accelerate then dispatches batches."""
+
+    def __iter__(self) -> Any:
+        gen = torch.Generator().manual_seed(7)
+        return iter([torch.randn(6, generator=gen) for _ in range(8)])
+
+
+def case_dispatch_batches(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """An IterableDataset, so dispatch_batches=True (Accelerate's default for one): rank 0
+    alone reads the DataLoader and sends every rank its slice; two epochs of two steps.
+
+    The ranks' counts of reads differ by design; lockstep's step fingerprint must not
+    take that for uneven data (it once raised RankMismatchError at step 1).
+    """
+    acc = _accelerator(engine)
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=2)
+    model, opt, loader = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1), loader)
+    seen = []
+    for _ in range(2):
+        for x in loader:
+            seen.append(x.clone())
+            acc.backward(model(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+    return {**_state(model), "batches": seen, "dispatcher": type(loader).__name__}
+
+
 def case_fingerprint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """Rank 0 accumulates 2 micro-batches per step, rank 1 none: ranks pair different steps.
 
@@ -188,7 +240,7 @@ def case_fingerprint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     every rank at the first synchronised step, as in a plain script.
     """
     acc = _accelerator(engine, gradient_accumulation_steps=2 if rank == 0 else 1)
-    model, opt = acc.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    model, opt = acc.prepare(*_with_optimizer(torch.optim.SGD, lr=0.1))
     try:
         for step in range(4 if rank == 0 else 2):
             with acc.accumulate(model):

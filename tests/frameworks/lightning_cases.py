@@ -1,7 +1,7 @@
 """Lightning Fabric and Trainer scripts, run with Lightning's DDP strategy and with lockstep's.
 
 Engine "torch" uses Lightning's `DDPStrategy` (or the name "ddp"); engine
-"lockstep" uses `lockstep.lightning.LockstepStrategy` / `LockstepFabricStrategy`
+"lockstep" uses `lockstep.adopt.lightning.LockstepStrategy` / `LockstepFabricStrategy`
 (or the registered name "lockstep") with the same arguments. Each case returns
 parameters, optimizer state and what it saved. The ranks' process group already
 exists; Lightning sees LOCAL_RANK and does not start processes of its own.
@@ -18,9 +18,8 @@ import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lockstep.lightning import LockstepFabricStrategy, LockstepStrategy
+from lockstep.adopt.lightning import LockstepFabricStrategy, LockstepStrategy
 
 FABRIC = {"torch": FabricDDPStrategy, "lockstep": LockstepFabricStrategy}
 TRAINER = {"torch": DDPStrategy, "lockstep": LockstepStrategy}
@@ -30,6 +29,12 @@ QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": 
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _with_optimizer(kind: type[torch.optim.Optimizer], **kw: Any) -> tuple[nn.Module, Any]:
+    """A fresh network and an optimizer over its own parameters (not another network's)."""
+    net = _net()
+    return net, kind(net.parameters(), **kw)
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
@@ -50,7 +55,7 @@ def _fabric(engine: str, by_name: bool = False, **kwargs: Any) -> L.Fabric:
 def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """no_backward_sync over 2 micro-batches, clip_gradients, save, load and resume."""
     fabric = _fabric(engine)
-    model, opt = fabric.setup(_net(), torch.optim.Adam(_net().parameters(), lr=1e-2))
+    model, opt = fabric.setup(*_with_optimizer(torch.optim.Adam, lr=1e-2))
     for step in range(4):
         accumulating = step % 2 == 0
         with fabric.no_backward_sync(model, enabled=accumulating):
@@ -79,7 +84,7 @@ def case_fabric(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
 def case_fabric_bf16(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
     """precision="bf16-mixed" (autocast on CPU), the strategy given by its registered name."""
     fabric = _fabric(engine, by_name=True, precision="bf16-mixed")
-    model, opt = fabric.setup(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
+    model, opt = fabric.setup(*_with_optimizer(torch.optim.SGD, lr=0.1))
     for step in range(2):
         fabric.backward(model(_batch(rank, step)).square().mean())
         opt.step()
@@ -121,6 +126,39 @@ class Manual(Module):
         self.manual_backward((self.net(batch[0]) + self.side(batch[0])).square().mean())
         opt.step()
         opt.zero_grad()
+
+
+class Gan(Module):
+    """Two optimizers, each stepped under `toggle_model`, as Lightning's GAN pattern has
+    them, each synchronising every other batch and accumulating locally
+    (`sync_grad=False`) in between: several backwards inside one DDP forward, a local
+    one first (even batches) or after a synchronised one (odd batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> None:
+        x, odd = batch[0], index % 2 == 1
+        plan = zip(self.optimizers(), (self._first, self._second), (odd, not odd), strict=True)
+        for opt, loss, sync in plan:
+            with opt.toggle_model(sync_grad=sync):  # the other optimizer's parameters frozen
+                self.manual_backward(loss(x))
+                if sync:
+                    opt.step()
+                    opt.zero_grad()
+
+    def _first(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.net(x) + self.side(x)).square().mean()
+
+    def _second(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.side(x) - self.net(x)).abs().mean()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.net.parameters(), lr=1e-2),
+            torch.optim.SGD(self.side.parameters(), lr=0.1),
+        ]
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -167,22 +205,22 @@ def case_trainer_accumulate(engine: str, rank: int, tmp: Path) -> dict[str, Any]
     straight = _fit_state(trainer, module)
     trainer, module = _fit(name, tmp / engine, 5, ckpt=str(path), **kw)
     keys = sorted(torch.load(path, weights_only=False)["state_dict"])
-    return {
-        "straight": straight,
-        "resumed": _fit_state(trainer, module),
-        "keys": keys,
-        "wrapper": module.wrapper,
-    }
+    resumed = _fit_state(trainer, module)
+    return {"straight": straight, "resumed": resumed, "keys": keys, "wrapper": module.wrapper}
 
 
 def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
-    """find_unused_parameters, static_graph, an fp16 comm hook, bf16-mixed, manual optimization."""
+    """find_unused_parameters, static_graph, bf16-mixed, manual optimization, the GAN pattern.
+
+    Not here: `ddp_comm_hook`, which Lightning registers on CUDA only (on CPU the run
+    would train without the hook): tests/gpu/test_lightning_comm_hook.py.
+    """
     runs = {
         "unused": ({"find_unused_parameters": True}, Module(use_side_every=2), {}),
         "static": ({"static_graph": True}, Module(), {}),
-        "fp16_hook": ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, Module(), {}),
         "bf16": ({}, Module(), {"precision": "bf16-mixed"}),
         "manual": ({}, Manual(), {}),
+        "gan": ({"find_unused_parameters": True}, Gan(), {}),
     }
     out = {}
     for key, (strategy_kw, module, trainer_kw) in runs.items():
@@ -190,6 +228,17 @@ def case_trainer_ddp_args(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
         trainer, module = _fit(strategy, tmp / engine, 3, module, **trainer_kw)
         out[key] = _fit_state(trainer, module)
     return out
+
+
+def case_unused_hint(engine: str, rank: int, tmp: Path) -> dict[str, Any]:
+    """A parameter the loss never uses, without find_unused_parameters: both engines raise
+    at the second step, and Lightning adds its hint to the message (it matches torch's
+    "Expected to have finished reduction in the prior iteration")."""
+    try:
+        _fit(TRAINER[engine](), tmp / engine, 3, Module(use_side_every=1000))
+    except RuntimeError as exc:
+        return {"raised": "RuntimeError", "hint": "LightningModule has parameters" in str(exc)}
+    return {"raised": None}
 
 
 CASES = {

@@ -1,4 +1,4 @@
-"""The transformers Trainer, run with transformers' class and with `lockstep.accelerate.Trainer`.
+"""The transformers Trainer, run with transformers' class and with lockstep's (`adopt.accelerate`).
 
 One case: a 2-layer GPT-2 built from a config, gradient_accumulation_steps=2,
 max_grad_norm (clipping), a checkpoint at step 2, then a second Trainer that
@@ -16,7 +16,7 @@ import transformers
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from safetensors.torch import load_file
 
-from lockstep.accelerate import Trainer as LockstepTrainer
+from lockstep.adopt.accelerate import Trainer as LockstepTrainer
 
 TRAINERS = {"torch": transformers.Trainer, "lockstep": LockstepTrainer}
 

@@ -22,7 +22,7 @@ LAYERS = [
     {"engine", "sharded", "data"},
     {"observe", "checkpoint", "testing", "adopt"},
     {"live"},  # live recovery, one wing: installed by the package's __init__, no host imports it
-    {"plan", "launch", "accelerate", "lightning"},
+    {"plan", "launch"},
     {"bench"},
     {"cli"},
     {"__init__"},

@@ -1,6 +1,6 @@
 """Adoption: torch's `DistributedDataParallel(...)` builds lockstep's engine in this process.
 
-    LOCKSTEP_ENGINE=lockstep                 read by `import lockstep` and `lockstep run`
+    LOCKSTEP_ENGINE=lockstep                 read in every process (lockstep-engine.pth)
     lockstep run --nproc-per-node 2 --engine lockstep train.py
     torchrun --nproc-per-node 2 -m lockstep.adopt train.py      # also: accelerate launch -m
     python -m lockstep.adopt train.py
@@ -9,7 +9,9 @@
 (`adopt/torch_face.py`), a subclass of torch's class, so a framework that
 imported torch's name long before still gets lockstep's engine, and its
 `isinstance` checks hold. `uninstall()` turns it off. Nothing of torch is touched
-unless one of the lines above asks for it.
+unless one of the lines above asks for it. The variable reaches processes that never
+import lockstep (a framework's relaunched ranks, `mp.spawn`) through the `.pth` file
+installed with the package (`src/_lockstep_adopt.py`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def uninstall() -> None:
 
 @contextmanager
 def adopted() -> Iterator[None]:
-    """Adoption inside the block only (what `lockstep.accelerate.Accelerator` uses)."""
+    """Adoption inside the block only (what `lockstep.adopt.accelerate.Accelerator` uses)."""
     was = installed()
     install()
     try:
@@ -90,7 +92,7 @@ def engine_from_env(environ: Mapping[str, str] | None = None) -> str:
     if value not in ENGINES:
         raise ValueError(
             f"{ENGINE_VARIABLE} must be one of 'torch', 'lockstep'; found {value!r} "
-            f"(rank {environ.get('RANK', '?')}). Unset it to keep torch's engine."
+            f"(rank {read_variable('RANK', environ) or '?'}). Unset it to keep torch's engine."
         )
     return value
 

@@ -4,6 +4,8 @@ The worker command for launchers that start plain Python processes:
 `torchrun --nproc-per-node 2 -m lockstep.adopt train.py` or
 `accelerate launch -m lockstep.adopt train.py`. It sets LOCKSTEP_ENGINE=lockstep
 (unless already set), installs the adoption, then runs the target as `__main__`.
+The processes the target starts itself (Lightning's relaunch, `mp.spawn`) inherit
+the variable; lockstep's `.pth` file (`src/_lockstep_adopt.py`) adopts them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def main(argv: list[str]) -> None:
     """Run the target adopted; argv as after `python -m lockstep.adopt`."""
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m lockstep.adopt (script.py | -m module) [args]")
-    os.environ.setdefault(ENGINE_VARIABLE, "lockstep")
+    # Unset or empty: lockstep's. The processes the target starts inherit the variable.
+    if not os.environ.get(ENGINE_VARIABLE, "").strip():
+        os.environ[ENGINE_VARIABLE] = "lockstep"
     install_from_env()
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]

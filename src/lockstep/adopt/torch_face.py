@@ -13,7 +13,9 @@ reducer that is not there. `docs/frameworks.md` lists what is supported.
 
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -22,6 +24,8 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from lockstep.engine.ddp import DistributedDataParallel
 from lockstep.engine.reducer import Reducer
+from lockstep.env import read_variable
+from lockstep.runtime.bucket_collective import CommHook
 
 # torch's own names that stay as torch defines them: class-level state that torch's
 # compiler reads on torch's class (`_get_active_ddp_module`), not on an instance.
@@ -33,7 +37,7 @@ _PROVIDED = {"_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate"}
 class TorchFacingReducer(Reducer):
     """lockstep's `Reducer` with the three calls frameworks make on torch's C++ reducer."""
 
-    unused_of: Callable[[Any], list[int]] | None = None  # set by the wrapper
+    unused_of: weakref.WeakMethod | None = None  # the wrapper's `_unused`, set by it
 
     def prepare_for_backward(self, outputs: Any = ()) -> None:
         """Arm the next backward to synchronise (after a forward that did not).
@@ -49,7 +53,8 @@ class TorchFacingReducer(Reducer):
                 "outputs itself. Expected static_graph=False; or unset LOCKSTEP_ENGINE."
             )
         now = time.perf_counter()
-        self.arm(self.unused_of(outputs) if self.unused_of else [], now, now)
+        unused_of = self.unused_of() if self.unused_of is not None else None
+        self.arm(unused_of(outputs) if unused_of is not None else [], now, now)
 
     def _rebuild_buckets(self) -> bool:
         """Re-bucket in the observed ready order if due; True when it did."""
@@ -108,20 +113,40 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
 
     _reducer_type = TorchFacingReducer
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _announce(self.ctx.rank, self.ctx.world_size, self._engines_checked)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> TorchFacedDDP:
         return object.__new__(cls)  # not torch's class's, which adoption may redirect here
 
     def _build_runtime(self) -> None:
         super()._build_runtime()
         assert isinstance(self.reducer, TorchFacingReducer)
-        self.reducer.unused_of = self._unused
+        self.reducer.unused_of = weakref.WeakMethod(self._unused)  # the wrapper may go first
 
     state_dict = nn.Module.state_dict  # torch's keys: "module." + the module's
     load_state_dict = nn.Module.load_state_dict
 
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """lockstep's, and the hook's name kept for `_get_ddp_logging_data`, as torch does."""
+        super().register_comm_hook(state, hook)
+        self._comm_hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_comm_hook_name", None)  # a registered hook is not kept either
+        return state
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """What torch's logging data holds that lockstep knows; `can_set_static_graph` False."""
+        """What torch's logging data holds that lockstep knows; `can_set_static_graph` False.
+
+        `comm_hook` (the hook's `__qualname__`) is there once a hook is registered, as in
+        torch's (Lightning's tests read it).
+        """
+        hook = getattr(self, "_comm_hook_name", None)
         return {
+            **({"comm_hook": hook} if hook is not None else {}),
             "world_size": self.ctx.world_size,
             "rank": self.ctx.rank,
             "module_name": type(self.module).__name__,
@@ -135,6 +160,32 @@ class TorchFacedDDP(DistributedDataParallel, _TorchBase):
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Accepted; lockstep's step statistics are always on (`observe/`)."""
+
+
+_announced = [False]
+_VARIABLE = "LOCKSTEP_ENGINE"  # lockstep.adopt.ENGINE_VARIABLE (that package imports this one)
+
+
+def _announce(rank: int, world_size: int, checked: bool) -> None:
+    """Once per process, on rank 0: which engine torch's class built, on which ranks.
+
+    Every rank sent its engine in the wrap's first collective (`runtime/same_engine.py`);
+    had one built torch's, the wrap would have raised instead, naming it.
+    """
+    if _announced[0] or rank != 0:
+        return
+    _announced[0] = True
+    where = (
+        f"on all {world_size} ranks"
+        if checked or world_size == 1
+        else "on rank 0 (the other ranks unchecked: init_sync=False)"
+    )
+    print(
+        f"lockstep: torch's DistributedDataParallel built lockstep's engine {where} "
+        f"({_VARIABLE}={read_variable(_VARIABLE) or 'unset, adopted in code'})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _owner(cls: type, name: str) -> type | None:

@@ -3,7 +3,7 @@
 The Trainer builds its Accelerator itself and wraps the model inside `train()`;
 this subclass runs `train()` with the adoption on (`lockstep.adopt.adopted`), so
 the DDP that Accelerate builds there is lockstep's, under torch's class name.
-Public name: `lockstep.accelerate.Trainer`.
+Public name: `lockstep.adopt.accelerate.Trainer`.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def gather_statements(
         0,
         lambda: dist.all_gather(sizes, length, group=process_group, async_op=True),
         value=value,
+        group=process_group,
     )
     if not outcome.ran:
         return outcome.value
@@ -59,6 +60,7 @@ def gather_statements(
         0,
         lambda: dist.all_gather(every, padded, group=process_group, async_op=True),
         value=value,
+        group=process_group,
     )
     if not outcome.ran:
         return outcome.value

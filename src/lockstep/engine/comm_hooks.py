@@ -66,3 +66,38 @@ fp16_compress_hook = _compressing_hook(torch.float16)
 fp16_compress_hook.__doc__ = "Cast the bucket to float16, average, cast back: half the bytes."
 bf16_compress_hook = _compressing_hook(torch.bfloat16)
 bf16_compress_hook.__doc__ = "Cast the bucket to bfloat16, average, cast back: half the bytes."
+
+
+# torch refuses its own bfloat16 hooks by name unless its build has bf16 collectives.
+_BF16_HOOKS = ("bf16_compress_hook", "bf16_compress_wrapper_hook")
+
+
+def _bf16_collectives_built() -> bool:
+    """torch's condition: a CUDA (or ROCm) build with NCCL 2.10+, or XPU with XCCL."""
+    cuda = bool(torch.version.cuda or torch.version.hip) and dist.is_nccl_available()
+    if cuda and torch.cuda.nccl.version() >= (2, 10):
+        return True
+    xccl = getattr(dist, "is_xccl_available", None)
+    return bool(xccl is not None and xccl() and torch.xpu.is_available())
+
+
+def check_comm_hook(hook: object, rank: int) -> None:
+    """Refuse what torch's `register_comm_hook` refuses, with torch's exception types.
+
+    Raises:
+        TypeError: `hook` is not callable; torch's bf16 hook (or wrapper) on a torch
+            build without bfloat16 collectives (a CPU build: gloo), as torch raises.
+    """
+    if not callable(hook):
+        raise TypeError(
+            f"Communication hook must be callable; found {type(hook).__name__} (rank {rank}). "
+            "Pass a function hook(state, bucket) -> torch.futures.Future[torch.Tensor]."
+        )
+    name = getattr(hook, "__name__", "")
+    if name in _BF16_HOOKS and not _bf16_collectives_built():
+        raise TypeError(
+            f"{name} needs bfloat16 collectives, which torch's DistributedDataParallel "
+            "accepts only with CUDA 11+ and NCCL 2.10+ (or XPU and XCCL); this torch build "
+            f"has neither (rank {rank}). Expected fp16_compress_hook (or fp16_compress_wrapper) "
+            "here, or a CUDA build of torch with NCCL for bf16."
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from lockstep.engine.args import (
     managed_parameters,
 )
 from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
+from lockstep.engine.comm_hooks import check_comm_hook
 from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
 from lockstep.engine.figures import EngineFigures
@@ -46,10 +48,15 @@ from lockstep.runtime.meta import refuse_meta
 from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_inside
 from lockstep.runtime.recovery import Point
 from lockstep.runtime.replicate import broadcast_tensors, copy_back, flattened
+from lockstep.runtime.same_engine import check_engines
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import SyncToggle
 from lockstep.runtime.transport import NATIVE
 from lockstep.runtime.wrap_hooks import wrapped
+
+# What `__getstate__` leaves out (a group, a hook, a Work, a tracer); `__setstate__` rebuilds it.
+_PER_PROCESS = ("process_group", "ctx", "reducer", "nonfinite", "_delayed", "_static", "_mp")
+_PER_PROCESS += ("_buffer_owners", "_hooked", "env_tracer", "join_announcement")
 
 
 class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncToggle):
@@ -65,7 +72,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
     Raises:
         RuntimeError: no trainable parameter; process_group with device_mesh.
         ValueError: device_ids on a CPU module; an argument out of range.
-        RankMismatchError: ranks hold different parameters (raised on every rank).
+        RankMismatchError: ranks hold different parameters (raised on every rank); some
+            rank built torch's engine (raised on those that built lockstep's).
     """
 
     _reducer_type: type[Reducer] = Reducer  # a subclass may add calls (adopt/torch_face.py)
@@ -128,6 +136,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
             nonfinite,
         )
         refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
+        self._engines_checked = check_engines(args.init_sync, args.group)  # first: as torch's
         refuse_meta(module, args.group, "lockstep.DistributedDataParallel")
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | args.ignored_names
         check_module(module, args, ignored)
@@ -181,6 +190,9 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         params = [p for _, p in self.named_state(buffers=False)]
         self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
         self.nonfinite.attach(self.reducer.driver)  # its end_step after _mp's restore
+        me = weakref.ref(self)  # the reducer holds no strong reference to its wrapper
+        self.reducer.sync_requested = lambda: (w := me()) is None or w.require_backward_grad_sync
+        weakref.finalize(self, self.reducer.remove_hooks)  # the module may outlive its wrapper
         self._static: StaticGraph | None = None
         if self._args.static_graph:
             self._set_static_graph()
@@ -200,21 +212,8 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
                 "group; this one was given another. Save module.state_dict() instead."
             )
         state = dict(self.__dict__)
-        # What holds a group, a hook or a Work; a registered comm hook is not kept.
-        for key in (
-            "process_group",
-            "ctx",
-            "reducer",
-            "nonfinite",
-            "_delayed",
-            "_static",
-            "_mp",
-            "_buffer_owners",
-            "_hooked",
-        ):
+        for key in _PER_PROCESS:  # a registered comm hook is not kept either
             state.pop(key, None)
-        state.pop("env_tracer", None)  # a tracer belongs to a process
-        state.pop("join_announcement", None)
         state["_args"] = self._args.without_groups()
         return state
 
@@ -270,7 +269,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         def launch() -> list[dist.Work]:  # all launched, then waited: one wait's latency
             return [dist.broadcast(flat, src=src, group=group, async_op=True) for _, flat in chunks]
 
-        outcome = recovery.run(Point.BUFFERS, self.reducer.driver.steps + 1, launch)
+        outcome = recovery.run(Point.BUFFERS, self.reducer.driver.steps + 1, launch, group=group)
         if outcome.ran:
             for chunk, flat in chunks:
                 copy_back(chunk, flat)
@@ -292,9 +291,11 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         refuse_inside_torch_ddp("lockstep.DistributedDataParallel")
         self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
-        grad_sync = grad_enabled and self.require_backward_grad_sync
         args, kwargs = self._pre_forward(grad_enabled, args, kwargs)
         output = self.module(*args, **kwargs)
+        # Read after the module, as torch does: Lightning's manual optimization turns the
+        # switch off inside its forward (its backwards arm themselves: prepare_for_backward).
+        grad_sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
@@ -355,8 +356,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         The hook receives the bucket's flat buffer unscaled and must return a future
         whose value is the averaged buffer (torch's comm-hook contract). Once only.
         """
-        if not callable(hook):
-            raise ValueError(f"hook must be callable; found {type(hook).__name__}")
+        check_comm_hook(hook, self.ctx.rank)  # torch's refusals, torch's types
         if getattr(self, "_hooked", False):
             raise RuntimeError(
                 "register_comm_hook can only be called once; a hook is already registered"
@@ -373,11 +373,6 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
     @property
     def has_comm_hook(self) -> bool:
         return getattr(self, "_hooked", False)
-
-    @property
-    def delays_all_reduce(self) -> bool:
-        """Some parameters are all-reduced after backward (delay_all_reduce_named_params)."""
-        return self._delayed is not None
 
     def use_process_group(self, group: dist.ProcessGroup) -> None:
         """Run every later collective on `group` (live recovery re-formed the default one)."""

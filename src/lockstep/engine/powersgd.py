@@ -13,15 +13,15 @@ issue them in the same order while backward goes on.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from lockstep.engine.comm_hooks import HookState
+from lockstep.runtime import threads
 from lockstep.runtime.bucket import GradBucket
+from lockstep.runtime.threads import Worker
 
 
 @dataclass
@@ -42,15 +42,13 @@ class PowerSGDState(HookState):
     iteration: int = 0
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
     qs: dict[int, torch.Tensor] = field(default_factory=dict)
-    _thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="lockstep-powersgd")
-    )
+    _thread: Worker = field(default_factory=lambda: Worker("lockstep-powersgd"))
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1; found {self.rank}")
-        # The pool's thread never outlives the state, nor the interpreter (atexit).
-        weakref.finalize(self, self._thread.shutdown, wait=False)
+        # The worker's thread ends with the state, a destroyed group, or the interpreter.
+        threads.stops_with_group(self._thread, owner=self)
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run `work` on the state's one thread (the hook's future is set there)."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from lockstep.context import DistContext
 from lockstep.engine.create_graph import mark_keeping_graph, warn_once
+from lockstep.runtime import waits
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
@@ -90,6 +91,9 @@ class Reducer:
         self.mark = self._mark_ready  # or its no-grad form in a create_graph backward
         self.static = False  # static graph (`engine/static_graph.py`) installs its hooks
         self.static_unused: set[int] | None = None  # static graph: known after step 1
+        # The wrapper's require_backward_grad_sync (set by the wrapper): a backward under
+        # no_sync() accumulates locally, as asked, even after a synchronised one.
+        self.sync_requested: Callable[[], bool] = lambda: True
         self._use_layout(self.groups_for(None))
         self._handles: list = []
         self.replace_hooks(self._hook_for)
@@ -126,6 +130,12 @@ class Reducer:
             for i, param in enumerate(self.params)
         ]
 
+    def remove_hooks(self) -> None:
+        """Take the hooks off the parameters (the wrapper is gone, as torch's reducer does)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def average_over(self, count: int) -> None:
         """Divide this step's gradients by `count` ranks (Join: the ranks not yet joined)."""
         for bucket in self.buckets:
@@ -159,6 +169,7 @@ class Reducer:
                 self.driver.steps + 1,
                 lambda: dist.broadcast(sent, self.root, group=self.group, async_op=True),
                 value=order,
+                group=self.group,
             )
             order = sent.tolist() if outcome.ran else outcome.value
         self._use_layout(self.groups_for(order))
@@ -211,8 +222,12 @@ class Reducer:
         return hook
 
     def outside_step(self, index: int) -> None:
-        """A hook outside a synchronised backward: note local use, refuse a second backward."""
-        if self.driver.graph_open:
+        """A hook outside a synchronised backward: note local use, refuse a second backward.
+
+        Under no_sync() it is a local accumulation, not a second backward: a framework's
+        forward may hold several backwards (Lightning's `toggle_model(sync_grad=False)`).
+        """
+        if self.driver.graph_open and self.sync_requested():
             raise second_backward(self.names[index], self.rank)
         if self._used_since_sync is not None:
             self._used_since_sync[index] = True
@@ -292,7 +307,8 @@ class Reducer:
             return self.static_unused or set()
         # After every bucket is done, so no hook's collective can interleave with it.
         flags = torch.tensor(used, dtype=torch.int32, device=control_device(self.group))
-        dist.all_reduce(flags, group=self.group)
+        work = dist.all_reduce(flags, group=self.group, async_op=True)
+        waits.collective(work, "unused-parameter vote", self.group)
         unused = {i for i, n in enumerate(flags.tolist()) if n == 0}
         if self.static:
             self.static_unused = unused

@@ -70,7 +70,7 @@ class LiveDDP:
             (ddp.find_unused_parameters, "find_unused_parameters=True"),
             (args.static_graph, "static_graph=True"),
             (ddp.mixed_precision is not None, "mixed_precision"),
-            (ddp.delays_all_reduce, "delay_all_reduce_named_params"),
+            (args.delay_all_reduce_named_params is not None, "delay_all_reduce_named_params"),
             (ddp.has_comm_hook, "a communication hook"),
         ]
         for refused, what in checks:

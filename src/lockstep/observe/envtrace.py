@@ -15,6 +15,7 @@ import atexit
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from lockstep.env import read_trace_dir, read_trace_flush_s
 from lockstep.observe.trace import TraceRecorder, rank_file
+from lockstep.runtime import threads
 from lockstep.runtime.step_stats import StepStats
 
 DEFAULT_STEPS = 100
@@ -60,6 +62,8 @@ def attach_trace_from_env(model: Any) -> EnvTracer | None:
     world_size = dist.get_world_size() if initialized else 1
     tracer = EnvTracer(directory, rank, world_size, read_trace_flush_s())
     model.add_step_observer(tracer)
+    threads.stops_with_group(tracer)  # its writer thread ends with the groups
+    weakref.finalize(model, tracer.close)  # and the tracer with the model
     return tracer
 
 
@@ -98,9 +102,8 @@ class EnvTracer:
         self._last_end: float | None = None
         self._written = 0
         self._pid = os.getpid()
-        self._stop = threading.Event()
         self._take_over_file()
-        self._thread = threading.Thread(target=self._loop, name="lockstep-trace", daemon=True)
+        self._thread = threads.LockstepThread("lockstep-trace", self._loop)
         self._thread.start()
         atexit.register(self._at_exit)
 
@@ -129,6 +132,9 @@ class EnvTracer:
         begin = stats.start if self._last_end is None else self._last_end
         self.recorder.record_step(stats.step, stats, begin, end)
         self._last_end = end
+        if not self._thread.is_alive():  # stopped with a destroyed group (live recovery)
+            self._thread = threads.LockstepThread("lockstep-trace", self._loop)
+            self._thread.start()
 
     def hand_over(self, rank: int, max_steps: int) -> TraceRecorder:
         """Give the trace file to a `Monitor`: it records from now on; writes go on as before.
@@ -151,8 +157,8 @@ class EnvTracer:
         self.recorder.write()
         self._written = recorded
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.flush_s):
+    def _loop(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self.flush_s):
             try:
                 self.flush()
             except OSError as error:  # a full disk must not end the training run
@@ -161,15 +167,19 @@ class EnvTracer:
     def close(self, write: bool = True) -> None:
         """Stop the background writes; write the last steps first unless `write` is False."""
         self._feeding = False
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=max(1.0, 2 * self.flush_s))
+        self._thread.stop()
         if write:
             self.flush()
         atexit.unregister(self._at_exit)
         path = rank_file(self.directory, self.recorder.rank)
         if _active.get(path) is self:
             del _active[path]
+
+    def stop(self) -> None:
+        """End the writer thread with the steps so far written (a process group was
+        destroyed); the next step starts it again. `close()` ends the tracer."""
+        self._thread.stop()
+        self.flush()
 
     def _at_exit(self) -> None:
         if os.getpid() == self._pid:

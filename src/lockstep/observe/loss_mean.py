@@ -56,6 +56,7 @@ def mean_over_ranks(
             recovery.Point.LOSS_MEAN,
             steps[-1],
             lambda: dist.all_reduce(table, group=group, async_op=True),
+            group=group,
         ).ran
     )  # False: a rank was lost in it and recovered live; this rank's own losses then
     sums, counts = table.tolist()

@@ -36,6 +36,7 @@ from lockstep.observe.metrics import IntervalSummary, StepMetrics, measure, summ
 from lockstep.observe.straggler import StragglerReport, StragglerWatch
 from lockstep.observe.trace import TraceRecorder, merge_traces
 from lockstep.runtime import recovery
+from lockstep.runtime.recovery import Point
 
 METRICS_FILE = "metrics.jsonl"
 PathLike = str | os.PathLike[str]
@@ -273,7 +274,9 @@ class Monitor:
         else:
             trace.write()
         if self.ctx.world_size > 1:  # every rank's file is written; a loss: again, with its
-            while not recovery.run(recovery.Point.CLOSING, self.step_count, self._barrier).ran:
+            while not recovery.run(
+                Point.CLOSING, self.step_count, self._barrier, group=self.group
+            ).ran:
                 pass  # replacement, which runs no step and closes its Monitor too
         if not self.ctx.is_main:
             return None

@@ -171,6 +171,7 @@ class StragglerWatch:
             recovery.Point.STRAGGLERS,
             steps[-1] if steps else 0,
             lambda: dist.all_gather(gathered, mine, group=self.group, async_op=True),
+            group=self.group,
         )
         if not outcome.ran:
             return None  # a rank was lost in it and recovered live: no report this window

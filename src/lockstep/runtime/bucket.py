@@ -121,6 +121,11 @@ class Bucket:
 class GradBucket:
     """The bucket as a communication hook sees it (torch's `dist.GradBucket` methods).
 
+    `set_buffer` replaces the tensor that `buffer()` and `gradients()` return, as
+    torch's does: `fp16_compress_wrapper` swaps in a float16 copy, so the hook it
+    wraps divides and reduces in float16. The bucket's own buffer is untouched
+    until the hook's result is copied into it (`runtime/handles.py`, `HookHandle`).
+
     Args:
         bucket: the engine's bucket.
         is_last: whether this is the last bucket of the step.
@@ -129,17 +134,24 @@ class GradBucket:
     def __init__(self, bucket: Bucket, is_last: bool) -> None:
         self._bucket = bucket
         self._is_last = is_last
+        self._buffer = bucket.buffer
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
         """The flat buffer of the bucket's gradients (already averaged by nobody)."""
-        return self._bucket.buffer
+        return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
         """Per-parameter views of `buffer()`, shaped like the parameters."""
-        return list(self._bucket.views)
+        if self._buffer is self._bucket.buffer:
+            return list(self._bucket.views)
+        views, offset = [], 0
+        for param in self._bucket.params:
+            views.append(self._buffer[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return views
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)
@@ -148,8 +160,14 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer's contents with `tensor` (same number of elements)."""
-        self._bucket.buffer.copy_(tensor.view_as(self._bucket.buffer))
+        """Make `tensor` (same number of elements, any dtype) the buffer the hook sees."""
+        if tensor.numel() != self._bucket.buffer.numel():
+            raise ValueError(
+                f"GradBucket.set_buffer expected a tensor of {self._bucket.buffer.numel()} "
+                f"elements (bucket {self._bucket.index}); found {tensor.numel()}. Pass the "
+                "bucket's buffer cast or compressed elementwise, e.g. buffer().to(torch.float16)."
+            )
+        self._buffer = tensor.view(-1)
 
     def is_the_last_bucket_to_allreduce(self) -> bool:
         return self._is_last

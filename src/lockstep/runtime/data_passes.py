@@ -10,6 +10,12 @@ many different passes have fed its synchronised steps (`DataPasses.seen`); the
 step fingerprint (`lockstep.runtime.fingerprint`) compares that count across
 ranks. Installed once, when the first model is wrapped; a batch that does not
 come from a DataLoader leaves the count unchanged.
+
+A rank that read no batch from a DataLoader since its last step is fed by another
+rank (Accelerate's `dispatch_batches`: rank 0 reads and broadcasts every rank's
+slice): it says 0, "not reading", and takes no part in the comparison. What the
+check guards is that the ranks' data comes from one pass; the rank that reads for
+all of them decides that alone.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.utils.data import dataloader
 
 _serials = itertools.count(1)
 _last_serial = [0]  # the pass that yielded the most recent batch in this process
+_reads = [0]  # batches asked of DataLoader iterators in this process
 _installed = [False]
 _CONTINUES = -1  # `DataPasses.adopt`: the next pass seen is the one counted already
 
@@ -42,6 +49,7 @@ def install() -> None:
         if serial is None:  # a new iterator's first batch
             serial = self._lockstep_pass = next(_serials)
         _last_serial[0] = serial
+        _reads[0] += 1
         return original_next(self)
 
     base._reset = _reset
@@ -55,14 +63,17 @@ class DataPasses:
         install()
         self.seen = 0
         self._current = 0
+        self._reads = _reads[0]
 
     def note_step(self) -> int:
-        """Called at each synchronised forward; returns the count of passes so far."""
+        """Called at each synchronised forward; returns the count of passes so far, or 0
+        when this rank read no batch since its last step (another rank reads for it)."""
         serial = _last_serial[0]
         if serial != self._current:
             self.seen += self._current != _CONTINUES
             self._current = serial
-        return self.seen
+        read, self._reads = _reads[0] != self._reads, _reads[0]
+        return self.seen if read else 0
 
     def adopt(self, seen: int, continues: bool) -> None:
         """A live replacement takes a peer's count as of the last finished step; its first

@@ -15,7 +15,9 @@ written on the device, so the check costs no collective and no host read of its
 own. `check` reads the sums once: with NCCL the step's one host synchronisation.
 A rank that has run out of data under Join shadows the collective with zeros
 (`launch(None)`, after its shadow buckets): it is not counted, but checks and
-raises with the others.
+raises with the others. The data pass has a count of its own, of the ranks that
+read their data: a rank fed by another (Accelerate's dispatch_batches) says 0 and
+is not compared.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class StepFingerprint:
             progress.note(progress.Phase.BACKWARD, self._step)
 
     def launch(self, mine: Fingerprint | None, flag: torch.Tensor | None = None) -> None:
-        """Start the all-reduce of (1, v..., v*v..., flag); None: a shadow of zeros (Join).
+        """Start the all-reduce of (1, reading, v..., v*v..., flag); None: a shadow of zeros.
 
         Args:
             mine: this rank's fingerprint of the step.
@@ -84,11 +86,12 @@ class StepFingerprint:
             self._flag = flag
             return
         if mine is None:
-            sums = torch.zeros(2 + 2 * len(FIELDS), dtype=torch.int64)
+            sums = torch.zeros(3 + 2 * len(FIELDS), dtype=torch.int64)
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
-            one, zero = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-            sums = torch.cat([one, values, values * values, zero])
+            counts = torch.tensor([1, int(mine.data_pass > 0)], dtype=torch.int64)
+            zero = torch.zeros(1, dtype=torch.int64)
+            sums = torch.cat([counts, values, values * values, zero])
         sums = to_control_device(sums, control_device(self.group))  # NCCL takes CUDA only
         if flag is not None:
             sums[-1:].copy_(flag.reshape(1))
@@ -111,9 +114,11 @@ class StepFingerprint:
         assert self._sums is not None
         n = len(FIELDS)
         values = self._sums.tolist()
-        taking_part, sums, squares = values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n]
+        taking_part, reading = values[0], values[1]
+        sums, squares = values[2 : 2 + n], values[2 + n : 2 + 2 * n]
         self.flagged = values[-1]
-        if all(taking_part * sq == s * s for s, sq in zip(sums, squares, strict=True)):
+        parts = [reading if name == "data pass" else taking_part for name in FIELDS]
+        if all(m * sq == s * s for m, s, sq in zip(parts, sums, squares, strict=True)):
             return
         raise self._mismatch(self._mine)
 

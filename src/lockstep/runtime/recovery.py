@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -187,15 +187,25 @@ def recoveries() -> int:
 Works = dist.Work | Sequence[dist.Work] | None
 
 
-def run(point: Point, step: int, launch: Callable[[], Works], value: Any = None) -> Outcome:
+def run(
+    point: Point,
+    step: int,
+    launch: Callable[[], Works],
+    value: Any = None,
+    group: dist.ProcessGroup | None = None,
+) -> Outcome:
     """Launch a collective and wait for it; a plain wait when live recovery is off.
+
+    The wait is watched as the buckets' are (`waits.wait`: the stall inspector, and the
+    progress record in the point's phase, so the launcher's stall watch counts it).
 
     Args:
         point: which collective it is (its `Where` comes with it).
-        step: the synchronised step it belongs to (opens, or follows).
+        step: the synchronised step it belongs to (opens, or follows; 0: before the first).
         launch: starts it; returns its work(s) (`async_op=True`).
         value: what the wing may need of this rank at this point (the order this rank
             broadcasts, the sampler that agrees): posted ahead, for a peer to take.
+        group: the group it runs over (None: the default group), for the stall inspector.
 
     Returns:
         `RAN`, or how a loss met in it was recovered (`Outcome`).
@@ -205,19 +215,23 @@ def run(point: Point, step: int, launch: Callable[[], Works], value: Any = None)
     """
     with _at(point, step):
         if _recoverer is None:
-            for work in _works(launch()):
-                WorkHandle(work).wait()
+            _wait(point, step, launch(), group)
             return RAN
         taken = _recoverer.entering(point, step, value)
         if taken is not None:
             return taken
         try:
-            for work in _works(launch()):
-                waits.block(WorkHandle(work))
+            _wait(point, step, launch(), group)
         except RuntimeError as error:
             return _lost(point, step, error, value)
         _recoverer.passed(point, step)
         return RAN
+
+
+def _wait(point: Point, step: int, works: Works, group: dist.ProcessGroup | None) -> None:
+    phase = _PHASE.get(point.where, progress.Phase.WAITING)
+    for work in _works(works):
+        waits.wait(WorkHandle(work), point.value, step, -1, group, phase)
 
 
 def run_again(point: Point, step: int, body: Callable[[], T], value: Any = None) -> T:
@@ -252,15 +266,11 @@ def _lost(point: Point, step: int, error: RuntimeError, value: Any) -> Outcome:
 
 @contextmanager
 def _at(point: Point, step: int) -> Iterator[None]:
-    """The block runs at `point` of `step`: the position, and the progress record (a save
-    notes its own phase, `Checkpointer.save`), so that the stall watch counts the wait."""
+    """The block runs at `point` of `step` (the position a hand-over reads)."""
     global _position
     before, _position = _position, Position(point, step)
-    phase = _PHASE.get(point.where)
-    noted = progress.during(phase, step, label=point.describe(step)) if phase else nullcontext()
     try:
-        with noted:
-            yield
+        yield
     finally:
         _position = before
 

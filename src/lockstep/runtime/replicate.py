@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.runtime import waits
+
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 
@@ -21,7 +23,8 @@ def broadcast_tensors(
 ) -> None:
     """Overwrite `tensors` on every rank with their values on global rank `src`, in place."""
     for chunk, flat in flattened(tensors):
-        dist.broadcast(flat, src=src, group=process_group)
+        work = dist.broadcast(flat, src=src, group=process_group, async_op=True)
+        waits.collective(work, "broadcast of the replicas' state", process_group)
         copy_back(chunk, flat)
 
 

@@ -33,8 +33,10 @@ def second_backward(name: str, rank: int) -> LockstepError:
 
 
 def unfinished(missing: Sequence[str], rank: int) -> str:
+    # The first words are torch's: frameworks match them (Lightning adds its own hint).
     return (
-        f"on rank {rank}, {len(missing)} parameter(s) received no gradient in the previous "
+        "Expected to have finished reduction in the prior iteration before starting a new "
+        f"one: on rank {rank}, {len(missing)} parameter(s) received no gradient in the previous "
         f"backward, so their buckets were never reduced: {list(missing[:10])}"
         f"{' ...' if len(missing) > 10 else ''}. With find_unused_parameters=False every "
         "trainable parameter must contribute to the loss. Fix: pass "

@@ -5,20 +5,20 @@
 The readable algorithms of `lockstep.collectives` are synchronous Python loops of
 point-to-point operations, so they run on one dedicated communication thread,
 in bucket order: backward goes on while they work, as with the native call. The
-thread is shut down when the transport is collected or the interpreter exits.
+thread ends when the transport is collected, a group is destroyed, or the
+interpreter exits (`runtime/threads.py`).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from lockstep.runtime.handles import CollectiveHandle, ThreadHandle, WorkHandle
+from lockstep.runtime.threads import Worker
 
 NATIVE = "native"
 
@@ -41,14 +41,12 @@ class Transport:
         self.process_group = process_group
         self.algorithm = algorithm
         self._custom: Callable[[torch.Tensor], None] | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread: Worker | None = None
         if algorithm != NATIVE:
             from lockstep.collectives import make_allreduce
 
             self._custom = make_allreduce(algorithm, process_group, local_world_size)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="lockstep-comm")
-            # No thread outlives its transport, nor the interpreter (atexit).
-            weakref.finalize(self, self._thread.shutdown, wait=False)
+            self._thread = Worker("lockstep-comm", owner=self)
 
     @property
     def inline(self) -> bool:

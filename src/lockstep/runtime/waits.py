@@ -19,21 +19,21 @@ an optional bound of its own (a checkpoint's barrier).
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_variable
-from lockstep.runtime import progress
-from lockstep.runtime.handles import CollectiveHandle
+from lockstep.runtime import progress, threads
+from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
 DEFAULT_WARN_S = 30.0
@@ -56,7 +56,11 @@ class _Wait:
 
 
 class StallInspector:
-    """A daemon thread that wakes a few times per warning period while a wait is open."""
+    """A daemon thread that wakes a few times per warning period while a wait is open.
+
+    It ends when a process group is destroyed or the last wrapped model is collected
+    (`runtime/threads.py`); the next wait starts another.
+    """
 
     def __init__(self, warn_s: float, end_s: float | None = None) -> None:
         self.warn_s = warn_s
@@ -64,18 +68,21 @@ class StallInspector:
         self.current: _Wait | None = None
         self.last_message = ""  # the last warning logged, for tests and post-mortems
         self.lock = threading.Lock()  # a post and its withdrawal never cross
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lockstep-stall", daemon=True)
+        self._thread = threads.LockstepThread("lockstep-stall", self._run)
         self._thread.start()
+        threads.serves_wrapped_models(self)
+        weakref.finalize(self, self._thread.stop)  # at exit at the latest
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._thread.stop()
 
-    def _run(self) -> None:
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._thread.stopping.is_set()
+
+    def _run(self, stopping: threading.Event) -> None:
         first = min(self.warn_s, self.end_s or self.warn_s)
         tick = max(0.05, min(1.0, first / 4))
-        while not self._stop.wait(tick):
+        while not stopping.wait(tick):
             wait = self.current
             if wait is None:
                 continue
@@ -222,14 +229,26 @@ def block(handle: CollectiveHandle, timeout_s: float | None = None) -> None:
 
 
 def inspector() -> StallInspector:
-    """The process's inspector, started at the first open wait; stopped at exit."""
+    """The process's inspector, started at an open wait when none runs; stopped at exit."""
     global _inspector
-    if _inspector is None:
+    if _inspector is None or not _inspector.alive():
         warn_s = read_seconds(WARN_VARIABLE, DEFAULT_WARN_S)
         end = read_variable(END_VARIABLE)
         _inspector = StallInspector(warn_s, read_seconds(END_VARIABLE, 1.0) if end else None)
-        atexit.register(_inspector.stop)
     return _inspector
+
+
+def collective(work: dist.Work | None, what: str, group: dist.ProcessGroup | None) -> None:
+    """Wait on a collective lockstep started with async_op=True, watched as the buckets are.
+
+    Every collective of the engine goes through here or `wait`, so a rank blocked in
+    any of them (the bucket rebuild's broadcast, the unused-parameter vote, the replicas'
+    broadcasts) shows as waiting, naming it, to the stall inspector and the launcher.
+    """
+    if work is not None:  # None: this rank is not in the group
+        record = progress.current()
+        step = record.step + (record.phase == progress.Phase.SYNCHRONISED)
+        wait(WorkHandle(work), what, step, -1, group)
 
 
 def wait(
@@ -238,15 +257,17 @@ def wait(
     step: int,
     index: int,
     group: dist.ProcessGroup | None,
+    phase: progress.Phase = progress.Phase.WAITING,
 ) -> None:
     """Wait on `handle`; if it is not done yet, note the wait and let the inspector watch it.
 
     Args:
         handle: the collective in flight.
         kind: what it is, for messages: "gradient bucket", "step fingerprint".
-        step: the synchronised step it belongs to.
+        step: the synchronised step it belongs to (0: before the first).
         index: the bucket's index (-1 for other collectives).
         group: the process group it runs over (the default group when None).
+        phase: a waiting phase: inside a step (`WAITING`), at its start, between steps.
 
     Raises:
         Interrupted: under live recovery, a rank of the group was lost meanwhile.
@@ -255,9 +276,10 @@ def wait(
     if handle.poll():
         handle.wait()  # gloo marks a failed work completed too: its wait() raises the error
         return
-    what = f"{kind} {index} of step {step}" if index >= 0 else f"{kind} of step {step}"
+    what = f"{kind} {index}" if index >= 0 else kind
+    what += f" of step {step}" if step > 0 else ""
     watch = inspector()
-    with progress.during(progress.Phase.WAITING, step, index, what):
+    with progress.during(phase, step, index, what):
         mine = watch.current = _Wait(what, step, group, time.monotonic())
         try:
             block(handle)

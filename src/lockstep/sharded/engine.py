@@ -11,6 +11,7 @@ per-unit gathers (stage 3, `gather.py`); backward reduces gradients (`sync.py`).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from lockstep.runtime.nesting import refuse_inside_torch_ddp, refuse_wrapped_ins
 from lockstep.runtime.replicate import broadcast_module
 from lockstep.runtime.same_parameters import verify_same_parameters
 from lockstep.runtime.step_figures import StepFigures, SyncToggle
-from lockstep.runtime.wrap_hooks import wrapped
+from lockstep.runtime.wrap_hooks import weakly, wrapped
 from lockstep.sharded import optim_state
 from lockstep.sharded import state as sharded_state
 from lockstep.sharded.arguments import check_arguments
@@ -155,7 +156,7 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             trainable.reverse()
         locate = flat_params(trainable, self.mesh.shard_rank)  # the shard of each result
         self.nonfinite = FiniteGuard(  # runtime/finite.py: checked per flat, decided at the end
-            nonfinite, self.process_group, ctx.rank, locate, self._drop_grads
+            nonfinite, self.process_group, ctx.rank, locate, weakly(self._drop_grads)
         )
         sync = GradSync(
             trainable,
@@ -165,12 +166,15 @@ class ShardedDataParallel(nn.Module, StepFigures, SyncToggle):
             ctx.world_size,
             keep_full_grad=self.stage == 1 and not any(f.dtypes.differ for f in trainable),
             after_grad=(lambda flat: flat.free()) if self.scheduler else (lambda flat: None),
-            at_backward_end=self._at_backward_end,
+            at_backward_end=weakly(self._at_backward_end),
             check_data_passes=check_data_passes,
         )
         sync.driver.collective = self.nonfinite.wrap(collective)  # buckets laid out unwrapped
         self.nonfinite.attach(sync.driver)
         sync.driver.wire_counter = getattr(collective, "take_wire_bytes", None)
+        stop = getattr(collective, "stop", None)  # a worker thread: it ends with the wrapper,
+        if stop is not None:  # which the hooks on the flat parameters outlive
+            weakref.finalize(self, stop)
         return sync
 
     # ---------------------------------------------------------------- forward

@@ -18,8 +18,6 @@ ring figure of the backend's all-reduce) for `StepStats`.
 from __future__ import annotations
 
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -33,6 +31,7 @@ from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
 from lockstep.runtime.handles import CollectiveHandle, ThreadHandle
 from lockstep.runtime.step_stats import ring_wire_bytes
+from lockstep.runtime.threads import Worker
 from lockstep.sharded.mesh import ShardMesh
 from lockstep.sharded.reduce_scatter import ShardBucket, make_collective
 
@@ -68,8 +67,8 @@ class RingScatterReduce:
         self.native_factor = 2 if native_scatter_sends_more(mesh.shard_group) else 1
         self.segment_bytes = NETWORK_SEGMENT_BYTES if spans_nodes else SEGMENT_BYTES
         self.sent = {SHARD_LEVEL: 0, REPLICA_LEVEL: 0} if mesh.hybrid else {SHARD_LEVEL: 0}
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="lockstep-scatter")
-        weakref.finalize(self, self._thread.shutdown, wait=False)
+        self._thread = Worker("lockstep-scatter", owner=self)
+        self.stop = self._thread.stop  # the wrapper ends it too (`sharded/engine.py`)
 
     def averaging(self, dtype: torch.dtype) -> Averaging | None:
         return Averaging.for_dtype(self.world_size, dtype) if self.world_size > 1 else None

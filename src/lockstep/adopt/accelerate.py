@@ -1,7 +1,7 @@
 """Accelerate and the transformers Trainer on lockstep's engine, in one line.
 
-    from lockstep.accelerate import Accelerator     # instead of accelerate's
-    from lockstep.accelerate import Trainer         # instead of transformers'
+    from lockstep.adopt.accelerate import Accelerator     # instead of accelerate's
+    from lockstep.adopt.accelerate import Trainer         # instead of transformers'
 
 `Accelerator.prepare` wraps models with lockstep's engine under torch's class name
 (`lockstep.adopt.torch_face`), so `unwrap_model`, `save_model`, `accumulate`,
@@ -34,4 +34,4 @@ def __getattr__(name: str) -> Any:
         from lockstep.adopt.trainer import Trainer
 
         return Trainer
-    raise AttributeError(f"module 'lockstep.accelerate' has no attribute {name!r}")
+    raise AttributeError(f"module 'lockstep.adopt.accelerate' has no attribute {name!r}")

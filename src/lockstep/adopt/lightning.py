@@ -1,6 +1,6 @@
 """Lightning strategies on lockstep's engine: `Trainer(strategy="lockstep")`, `Fabric(...)` too.
 
-    import lockstep.lightning                        # registers the name "lockstep"
+    import lockstep.adopt.lightning                        # registers the name "lockstep"
     trainer = L.Trainer(strategy="lockstep")         # or LockstepStrategy(**ddp_kwargs)
     fabric = L.Fabric(strategy="lockstep")           # or LockstepFabricStrategy(...)
 
@@ -43,7 +43,7 @@ class LockstepFabricStrategy(FabricDDPStrategy):
 
 
 def _register() -> None:
-    description = "DDP on lockstep's engine (lockstep.lightning)"
+    description = "DDP on lockstep's engine (lockstep.adopt.lightning)"
     if NAME not in StrategyRegistry:
         StrategyRegistry.register(NAME, LockstepStrategy, description=description)
     if NAME not in FABRIC_REGISTRY:
