@@ -66,8 +66,23 @@ def wrap(engine: str, model: nn.Module) -> nn.Module:
 def _full_state(engine: str, model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     if engine == "fsdp2":
-        return {k: v.full_tensor().detach().cpu() for k, v in state.items()}
+        return {k: _full_on_cpu(v) for k, v in state.items()}
     return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _full_on_cpu(value: torch.Tensor) -> torch.Tensor:
+    """FSDP2's parameter, whole, on the CPU: its dim-0 shards gathered as objects.
+
+    Not `DTensor.full_tensor()`: on gloo with CUDA tensors (torch 2.11) its functional
+    all-gather dies with SIGSEGV (seen on an H100, in torch's `_functional_collectives`).
+    """
+    import torch.distributed as dist
+
+    shards: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, value.to_local().detach().cpu())
+    full = torch.cat(shards, dim=0)
+    assert full.shape == value.shape, (full.shape, value.shape)
+    return full
 
 
 def train(ctx, engine: str, device: str, steps: int = 3) -> dict:
