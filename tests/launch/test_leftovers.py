@@ -73,7 +73,7 @@ def test_a_watchdog_exit_removes_the_folder(tmp_path):
     folder.mkdir()
     code = (
         "import sys, time\n"
-        "from lockstep.launch import scratch\n"
+        "from lockstep.launch.supervise import scratch\n"
         "from lockstep.launch.watches.watchdog import Watchdog\n"
         "dog = Watchdog('x:1', step_s=0.2, margin_s=0.1, "
         "on_exit=lambda: scratch.remove(__import__('pathlib').Path(sys.argv[1])))\n"
