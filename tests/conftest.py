@@ -30,14 +30,25 @@ def _hygiene():
     assert after == before, f"a test changed launcher variables: {before} -> {after}"
 
 
+# Folders whose modules share their ranks' runs through module-scoped fixtures (one
+# `run_ranks` of every scenario, checked by many tests): each module runs on one worker,
+# so the fixture runs once, not once per worker that takes one of its tests.
+MODULE_GROUPED = ("dist", "frameworks", "compat", "gpu")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`), tests that build network namespaces, a Slurm
     cluster or an MPI job run one at a time, on one worker each: they time real
-    heartbeats and cuts, which must not share the two cores with each other."""
+    heartbeats and cuts, which must not share the two cores with each other. The
+    modules of `MODULE_GROUPED` run each on one worker."""
+    if not getattr(config.option, "loadgroup", False):
+        return
     for item in items:
         for kind in ("netns", "slurm", "mpi"):
-            if item.get_closest_marker(kind) and getattr(config.option, "loadgroup", False):
+            if item.get_closest_marker(kind):
                 _join_group(item, kind)
+        if item.path.parent.name in MODULE_GROUPED:
+            _join_group(item, item.path.stem)
 
 
 def _join_group(item: pytest.Item, group: str) -> None:

@@ -22,7 +22,7 @@ from suite_lists import BEHAVIOUR_SUBSET
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # torch's own suite: make test
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from torch import nn
 import lockstep
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # four or compiled ranks: make test, not the inner loop
+
 WAYS = ("inner", "outer", "blocks")
 ATOL = 1e-6
 LOCKSTEP_DIR = str(Path(lockstep.__file__).parent)

@@ -21,6 +21,8 @@ import lockstep
 from lockstep.errors import RankMismatchError
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # four or compiled ranks: make test, not the inner loop
+
 CAPS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}
 
 

@@ -15,6 +15,8 @@ from framework_results import check_case, run_all
 
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 CASES = [("accelerate_cases", name) for name in accelerate_cases.CASES]
 CASES += [("trainer_cases", name) for name in trainer_cases.CASES]
 NAMES = [name for _, name in CASES if name != "fingerprint"]  # differs by design

@@ -20,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from lockstep import adopt
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 
 def test_the_variables_values():
     assert adopt.engine_from_env({}) == "torch"

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 HERE = Path(__file__).resolve().parent

@@ -23,6 +23,8 @@ from framework_results import assert_same
 from lockstep import adopt
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 # Counters and warning texts name the class; `seen` (collectives, bucket layouts) is each
 # engine's own by design and is checked against torch in tests/dist/test_dropin.py.
 SKIPPED = ("synced_steps", "warnings", "seen")

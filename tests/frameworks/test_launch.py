@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 TIMEOUT_S = 240
 

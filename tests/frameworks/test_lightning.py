@@ -12,6 +12,8 @@ from framework_results import check_case, run_all
 
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 CASES = [("lightning_cases", name) for name in lightning_cases.CASES]
 NAMES = [name for _, name in CASES]
 

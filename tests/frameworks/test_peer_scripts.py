@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from peer_scripts import ANNOUNCED, last_error, run_script
 
+pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
+
 
 @pytest.mark.slow
 def test_accelerates_test_sync_passes_on_lockstep_engine(tmp_path):

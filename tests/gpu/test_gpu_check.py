@@ -64,6 +64,7 @@ def test_the_table_counts_outcomes_per_test_function_and_shows_the_failure():
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # half a minute each: make soak, and every GPU session's make gpu-check
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", ["gpu_memory.py", "gpu_vs_torch.py"])
 def test_the_gpu_benchmarks_run_on_cpu_at_smoke_size(script, tmp_path):

@@ -21,7 +21,7 @@ from launchkit import Launcher, node_args, wait_all
 from lockstep.plan.hybrid import link_bytes
 from lockstep.testing.netns import two_hosts
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.soak]
 SCRIPT = str(Path(__file__).parents[2] / "benchmarks" / "hsdp_link_worker.py")
 OVERHEAD = 1.10
 

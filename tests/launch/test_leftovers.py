@@ -41,6 +41,7 @@ def _single(tmp_path: Path, name: str, *script: str) -> Launcher:
     return Launcher(argv, tmp_path / f"{name}.log", env=_tmp(tmp_path))
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_no_temp_folder_survives_a_run_a_failure_or_a_signal(tmp_path):
@@ -56,6 +57,7 @@ def test_no_temp_folder_survives_a_run_a_failure_or_a_signal(tmp_path):
         assert _leftovers(tmp_path) == [], sig.name
 
 
+@pytest.mark.soak
 def test_a_sigkilled_launchers_folder_is_removed_by_the_next_run(tmp_path):
     killed = _single(tmp_path, "killed", "--steps", "100000", "--step-sleep", "0.05")
     wait_for(tmp_path / "killed" / "pids" / "0.0", 120, [killed])
@@ -125,6 +127,7 @@ def test_a_foreign_program_on_the_master_port_is_reported_within_10_s(tmp_path):
     assert "another program" in log
 
 
+@pytest.mark.soak
 def test_a_node_rank_given_twice_is_reported_within_10_s(tmp_path):
     port = _free_port()
     launchers = [_node(0, port, tmp_path, "node0")]

@@ -99,6 +99,7 @@ LINES = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_faults_in_four_generations_against_one_oracle(tmp_path):
@@ -147,6 +148,7 @@ def _assert_each_sample_once(out: Path) -> None:
     assert len(set(epochs[1])) == len(epochs[1]) == 3 * 2 * BATCH, sorted(epochs[1])
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_loss_met_in_the_samplers_agreement_is_recovered_live(tmp_path):
@@ -180,6 +182,7 @@ def test_a_loss_met_in_the_samplers_agreement_is_recovered_live(tmp_path):
     _assert_each_sample_once(out)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_survivors_between_steps_catch_up_with_a_peer_past_the_next_forward(tmp_path):
@@ -210,6 +213,7 @@ def test_survivors_between_steps_catch_up_with_a_peer_past_the_next_forward(tmp_
         assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):

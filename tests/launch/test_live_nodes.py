@@ -75,6 +75,7 @@ def two_nodes(test):
     return pytest.mark.netns(pytest.mark.slow(pytest.mark.timeout(400)(test)))
 
 
+@pytest.mark.soak
 @two_nodes
 def test_workers_lost_on_either_node_then_a_lost_node_are_recovered_live(oracle, hosts, tmp_path):
     """One run, three generations, each claimed by a different launcher: rank 3 (node 1)
@@ -103,6 +104,7 @@ def test_workers_lost_on_either_node_then_a_lost_node_are_recovered_live(oracle,
     _assert_bitwise(tmp_path, oracle, world_size=4)
 
 
+@pytest.mark.soak
 @two_nodes
 def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
     node0, _ = _start(hosts, tmp_path, [*FLAGS, "--rejoin-timeout", "2"], sleep=0.3, nproc=1)

@@ -95,6 +95,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
@@ -128,6 +129,7 @@ def test_killed_workers_are_replaced_and_the_run_ends_bitwise_equal(tmp_path):
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
@@ -162,6 +164,7 @@ def test_buffers_broadcast_at_every_forward_are_recovered_live(tmp_path):
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live(tmp_path):
@@ -209,6 +212,7 @@ def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):
     assert [k for k in survivor if not torch.equal(replacement[k], survivor[k])] == []
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ddps_join_falls_back_inside_and_is_recovered_live_after(tmp_path):
@@ -242,6 +246,7 @@ def test_ddps_join_falls_back_inside_and_is_recovered_live_after(tmp_path):
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sharded_engine_falls_back_to_the_whole_group_restart(tmp_path):

@@ -51,6 +51,7 @@ def _pid(out: Path, process: str) -> int:
     return int((out / "pids" / process).read_text())
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_spares_take_the_lost_ranks_and_the_pool_is_refilled(tmp_path):

@@ -88,6 +88,7 @@ def test_traffic_stays_on_the_namespace_addresses(reference):
         assert f"address {host.address}, interface {host.interface}" in log
 
 
+@pytest.mark.soak
 def test_sigkill_of_one_worker_restarts_every_node_and_resumes_bitwise(reference, hosts, tmp_path):
     a, b = hosts
     script = ["--out", str(tmp_path), "--steps", str(STEPS), "--kill-rank", "3", "--kill-step", "3"]
@@ -104,6 +105,7 @@ def test_sigkill_of_one_worker_restarts_every_node_and_resumes_bitwise(reference
         assert torch.equal(resumed[name], uninterrupted[name]), name
 
 
+@pytest.mark.soak
 def test_killing_node1_launcher_makes_node0_report_and_exit(hosts, tmp_path):
     a, b = hosts
     script = ["--out", str(tmp_path), "--steps", "100000", "--step-sleep", "0.05"]
@@ -131,6 +133,7 @@ def _running(host: Host) -> list[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split()
 
 
+@pytest.mark.soak
 def test_a_frozen_node_is_declared_lost_by_its_heartbeat(hosts, tmp_path):
     """Node 1 stops (SIGSTOP: no crash, no closed socket); node 0 must notice and end."""
     a, b = hosts

@@ -17,7 +17,7 @@ from launchkit import final_params, two_nodes, wait_all, wait_for
 
 from lockstep.testing.netns import cut, heal
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.soak]
 STEPS = 4  # as the session's `lockstep_run_reference`
 HEALED_CUT_S = 45.0
 

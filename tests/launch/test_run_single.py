@@ -89,6 +89,7 @@ def test_bad_rank_variables_are_named_by_the_worker():
     assert "RANK='x' is not an integer" in lines[1]
 
 
+@pytest.mark.slow  # a whole launcher run
 def test_failing_worker_gives_exit_code_and_summary_naming_rank_and_exception(tmp_path):
     flags = ["--nproc-per-node", "2"]
     script = ["--out", str(tmp_path), "--raise-rank", "1"]
@@ -104,6 +105,7 @@ def test_failing_worker_gives_exit_code_and_summary_naming_rank_and_exception(tm
     assert live_workers(tmp_path) == []
 
 
+@pytest.mark.slow  # a whole launcher run
 @pytest.mark.parametrize(
     ("stop", "nproc"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["SIGTERM", "SIGINT"]
 )
@@ -151,7 +153,10 @@ if sys.argv[1] != "forgotten":  # forgotten: no shutdown(), the bootstrap leaves
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["shutdown", "forgotten", "own_group"])
+@pytest.mark.parametrize(
+    "ending",
+    ["shutdown", *(pytest.param(e, marks=pytest.mark.soak) for e in ("forgotten", "own_group"))],
+)
 def test_no_group_thread_outlives_the_script_even_after_an_optimizer_is_made(tmp_path, ending):
     """An optimizer made after init() must not keep the group (and its gloo threads) alive.
 
@@ -187,6 +192,7 @@ lockstep.shutdown()
 """
 
 
+@pytest.mark.slow  # a whole launcher run
 def test_a_native_crash_shows_the_python_stack_where_it_happened(tmp_path):
     script = tmp_path / "aborting.py"
     script.write_text(ABORTING)

@@ -56,6 +56,7 @@ def test_a_rank_that_sleeps_forever_is_named_first_with_its_stack(tmp_path):
     assert took <= STALL_S + 15, f"the run ended {took:.1f} s after rank 1 hung:\n{log}"
 
 
+@pytest.mark.soak
 def test_a_rank_out_of_data_that_saves_a_checkpoint_is_named_first(tmp_path):
     log, took = _run_stalled(tmp_path, "--short-rank", "1")
     assert "rank 1 (node 0" in _first_failure(log), log
@@ -66,6 +67,7 @@ def test_a_rank_out_of_data_that_saves_a_checkpoint_is_named_first(tmp_path):
     assert took <= STALL_S + 15, f"the run ended {took:.1f} s after rank 1 left the loop:\n{log}"
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_a_save_that_finished_is_not_blamed_for_a_later_stall(tmp_path):
     log, _ = _run_stalled(tmp_path, "--save-step", "2", "--hang-rank", "1", "--hang-step", "3")
@@ -76,6 +78,7 @@ def test_a_save_that_finished_is_not_blamed_for_a_later_stall(tmp_path):
     assert "ran out of data" not in log, log  # the advice fits where rank 1 is
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_a_frozen_rank_is_named_frozen_and_ended_within_lockstep_s_bound(tmp_path):
     log, took = _run_stalled(tmp_path, "--hang-rank", "1", "--hang-step", "3", "--freeze")
@@ -87,6 +90,7 @@ def test_a_frozen_rank_is_named_frozen_and_ended_within_lockstep_s_bound(tmp_pat
     assert took <= STALL_S + 20, f"the run ended {took:.1f} s after rank 1 froze:\n{log}"
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_under_torchrun_the_stall_bound_ends_the_run_naming_the_stuck_rank(tmp_path):
     # A sleeping rank, not a frozen one: torchrun would wait its own 30 s to kill a frozen one.

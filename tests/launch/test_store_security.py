@@ -119,6 +119,7 @@ def test_one_node_listens_on_loopback_only(hosts3, tmp_path):
     assert open_to_stranger == [], f"reachable from another host: {open_to_stranger}"
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stranger_can_neither_stop_nor_steer_two_nodes(hosts3, tmp_path, lockstep_run_reference):

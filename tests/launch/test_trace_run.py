@@ -82,6 +82,7 @@ def test_env_trace_of_a_plain_script_under_lockstep_run(tmp_path):
     assert "straggler" not in launcher.log()  # the report is --trace's, not the variable's
 
 
+@pytest.mark.soak
 def test_env_trace_of_a_plain_script_under_torchrun(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
     argv = [
@@ -132,6 +133,7 @@ def test_run_trace_merges_draws_and_names_the_straggler(tmp_path):
     assert 40 <= wait_ms <= 200, line  # 60 ms of sleep, measured on a shared machine
 
 
+@pytest.mark.soak
 def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
     argv = [
@@ -159,6 +161,7 @@ def test_killed_worker_leaves_a_readable_trace_and_the_report_still_comes(tmp_pa
     assert "timeline: " in log
 
 
+@pytest.mark.soak
 @pytest.mark.netns
 def test_two_nodes_report_their_own_ranks_and_trace_merge_joins_them(hosts, tmp_path):
     """No shared trace directory: each node's launcher merges its rank; the CLI joins them."""

@@ -9,6 +9,7 @@ of one layer (the two engines, the data tools) never import each other.
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "lockstep"  # read, never imported
@@ -83,6 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@cache
 def graph() -> dict[str, set[str]]:
     return imports({module_name(p) for p in ROOT.rglob("*.py")})
 
