@@ -34,6 +34,7 @@ def run_example(script: str, *args: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_ddp_at_world_size_one_resumes_single_and_matches_it_bitwise(tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"

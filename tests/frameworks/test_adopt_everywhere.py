@@ -90,6 +90,7 @@ def test_ranks_of_mp_spawn_build_lockstep_engine_from_the_variable_alone(python,
     assert out.count("built lockstep's engine on all 2 ranks") == 1, out
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_lightning_relaunch_builds_lockstep_engine_on_every_rank(python, tmp_path):
     """`python -m lockstep.adopt` on a plain Lightning script: rank 1 is Lightning's."""

@@ -49,6 +49,7 @@ def test_accelerate_script_under_lockstep_run_with_engine_and_trace(tmp_path):
     assert (tmp_path / "trace" / "trace.json").is_file(), out  # the launcher merged them
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_plain_lightning_script_under_torchrun_adopted(tmp_path):
     argv = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "lockstep.adopt"]

@@ -14,6 +14,7 @@ from peer_scripts import ANNOUNCED, last_error, run_script
 pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_accelerates_test_sync_passes_on_lockstep_engine(tmp_path):
     code, _, out = run_script("test_sync", "lockstep", tmp_path, timeout_s=240)

@@ -69,7 +69,7 @@ def launcher(kind: str, script: str, *args: str) -> list[str]:
 
 
 @pytest.mark.timeout(HANG_S + 60)
-@pytest.mark.parametrize("kind", ["lockstep-run", "torchrun"])
+@pytest.mark.parametrize("kind", [pytest.param("lockstep-run", marks=pytest.mark.soak), "torchrun"])
 def test_a_group_freed_by_torchs_reducer_mid_collective_does_not_hang(kind):
     code, out, _ = launch(launcher(kind, "exit_deadlock.py"))
     assert code is not None, f"the workers did not exit within {HANG_S} s:\n{out[-3000:]}"
@@ -109,7 +109,8 @@ def test_repeat_runs_exit_without_hang_or_abort(kind, engine, tmp_path):
 
 
 @pytest.mark.timeout(HANG_S + 60)
-@pytest.mark.parametrize("block", ["thread", pytest.param("atexit", marks=pytest.mark.soak)])
+@pytest.mark.soak
+@pytest.mark.parametrize("block", ["thread", "atexit"])
 def test_a_worker_that_does_not_exit_after_its_script_is_named_and_ended(block):
     cmd = [*RUN, "--exit-grace", "2", str(HERE / "train_exit_blocks.py"), "--block", block]
     code, out, seconds = launch(cmd)

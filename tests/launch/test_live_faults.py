@@ -118,6 +118,7 @@ def test_faults_in_four_generations_against_one_oracle(tmp_path):
     _assert_same_checkpoints(out, oracle)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_seed_left_to_rank_0_goes_over_when_rank_0_is_lost_in_the_first_step(tmp_path):

@@ -116,6 +116,7 @@ def test_a_lost_node_not_back_in_time_ends_with_one_line(hosts, tmp_path):
     assert line in node0.log(), node0.log()
 
 
+@pytest.mark.soak
 @two_nodes
 def test_node_0_lost_falls_back_with_one_line(hosts, tmp_path):
     _, node1 = _start(hosts, tmp_path, FLAGS, sleep=0.3, nproc=1)

@@ -75,6 +75,7 @@ def test_spares_take_the_lost_ranks_and_the_pool_is_refilled(tmp_path):
     _assert_gone(spares, log)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_spares_die_with_a_killed_launcher(tmp_path):

@@ -107,7 +107,11 @@ def test_failing_worker_gives_exit_code_and_summary_naming_rank_and_exception(tm
 
 @pytest.mark.slow  # a whole launcher run
 @pytest.mark.parametrize(
-    ("stop", "nproc"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["SIGTERM", "SIGINT"]
+    ("stop", "nproc"),
+    [
+        pytest.param(signal.SIGTERM, 2, id="SIGTERM"),
+        pytest.param(signal.SIGINT, 1, id="SIGINT", marks=pytest.mark.soak),
+    ],
 )
 def test_stopping_the_launcher_leaves_no_worker_behind(tmp_path, stop, nproc):
     launcher = Launcher(

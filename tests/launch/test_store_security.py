@@ -103,6 +103,7 @@ def _reachable(stranger: Host, target: Host, ports: list[int]) -> list[int]:
     return json.loads(done.stdout)
 
 
+@pytest.mark.soak
 def test_one_node_listens_on_loopback_only(hosts3, tmp_path):
     node, stranger = hosts3[0], hosts3[2]
     argv = ["--nproc-per-node", "2", TRAIN, "--out", str(tmp_path), "--steps", "6"]
