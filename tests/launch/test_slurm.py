@@ -81,6 +81,7 @@ def test_srun_two_tasks_train_bitwise_like_lockstep_run(slurm, request, tmp_path
     _assert_bitwise(tmp_path, _reference(request))
 
 
+@pytest.mark.soak
 def test_sbatch_srun_lockstep_run_trains_bitwise_like_lockstep_run(slurm, request, tmp_path):
     script = tmp_path / "train.sbatch"
     script.write_text(SBATCH_SCRIPT.format(out=tmp_path, train=TRAIN, steps=STEPS))

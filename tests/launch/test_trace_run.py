@@ -72,6 +72,7 @@ def _check_buckets(events: list[dict], start_us: float, buckets: list[list]) -> 
         assert comm[index]["dur"] == pytest.approx((t_done - t_launched) * 1e6, abs=0.01)
 
 
+@pytest.mark.soak
 def test_env_trace_of_a_plain_script_under_lockstep_run(tmp_path):
     trace, out = tmp_path / "trace", tmp_path / "out"
     argv = ["--nproc-per-node", "2", SCRIPT, "--out", str(out)]
