@@ -29,6 +29,7 @@ def _run_bench(args: list[str], timeout_s: float = 200) -> subprocess.CompletedP
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sweep_at_world_size_2_writes_json_that_plan_accepts(tmp_path, capsys):
     path = tmp_path / "bw.json"

@@ -71,6 +71,7 @@ def _lora_and_full_step(ctx):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)  # each rank imports peft (and transformers): seconds on a busy machine
 def test_lora_payload_is_the_adapter_bytes_and_matches_the_planner(monkeypatch, capsys):
     results = run_ranks(_lora_and_full_step, 2, deadline_s=200)

@@ -17,6 +17,8 @@ from gpu_devices import DEVICES
 
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # the CPU half of a GPU test: make test, not the inner loop
+
 _RESULTS: dict[tuple[str, int], list[dict]] = {}
 
 

@@ -16,6 +16,8 @@ from gpu_sharded import all_engines, checkpoint_round_trip, stall_and_fingerprin
 
 from lockstep.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # the CPU half of a GPU test: make test, not the inner loop
+
 _ENGINES: dict[str, list[dict]] = {}
 
 
