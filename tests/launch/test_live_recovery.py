@@ -191,6 +191,27 @@ def test_a_loss_some_survivors_met_past_the_rebuilds_broadcast_is_recovered_live
     _assert_bitwise(out, oracle, world_size=3)
 
 
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_rank_lost_after_its_steps_last_collective_hands_over_that_steps_random_state(
+    tmp_path,
+):
+    """Rank 1 dies after step 3's last collective (the fingerprint), in the engine's
+    end-of-step actions: rank 0 finishes step 3 and meets the loss in step 4. The
+    replacement must take rank 1's dropout stream as after step 3. It was posted at
+    the step's end, after that collective, so rank 1 never posted it and the donor sent
+    step 2's: the run ended "recovered live" with every parameter different from the
+    uninterrupted run. The post now goes out before the step's last collective."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, [])
+    out = tmp_path / "killed"
+    log = _run(out, ["--live-recovery"], kill="1:2:end_step").log()
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 4"
+    _assert_recovered_live(out, log, [line], ["0.0.0", "1.0.0", "1.1.0"])
+    _assert_bitwise(out, oracle)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):

@@ -4,14 +4,19 @@ A replacement resumes inside its peers' epoch or at the start of the next one; i
 count of data passes (the step fingerprint's uneven-data check) must then match
 theirs (`runtime/data_passes.py`), and the sampler state sent is the one copied at the
 last step's end, not the one a loader that has already handed out the next batch holds
-(`live/sampler.py`).
+(`live/sampler.py`). Every piece a replacement takes is labelled with the finished
+steps it is as of, and a replacement refuses a piece of another step
+(`live/checkpoint.py` `check_labels`).
 """
 
 from __future__ import annotations
 
+import pytest
 from torch.utils.data import DataLoader
 
 from lockstep.data.sampler import ShardedSampler
+from lockstep.errors import LockstepError
+from lockstep.live.checkpoint import check_labels
 from lockstep.live.sampler import SamplerPlace, continues
 from lockstep.runtime.data_passes import DataPasses
 
@@ -43,14 +48,33 @@ def test_continues_reads_the_position_inside_the_epoch():
 
 def test_the_place_sent_is_the_one_taken_at_the_last_step_end():
     sampler = ShardedSampler(range(40), batch_size=4, rank=0, world_size=2)
-    place = SamplerPlace(sampler)
+    place = SamplerPlace(sampler, 0)
     indices = iter(sampler)
     for _ in range(4):
         next(indices)
     sampler.mark_consumed(4)
-    place.take()  # the end of step 0
+    place.take(1)  # the end of step 0: one finished step
     for _ in range(4):
         next(indices)
     sampler.mark_consumed(8)  # step 1's batch is out; step 1 is interrupted
     assert sampler.state_dict()["position"] == 16  # what the loader holds now
     assert place.handed()["position"] == 8  # what the donor sends: step 1 is read again
+    assert place.step == 1  # its label: as of one finished step
+
+
+def test_a_replacement_refuses_state_labelled_for_another_step():
+    sampler = object()
+    fine = {"rng": [3, 3], "sampler": 3}
+    check_labels(fine, 3, 1, {"sampler": sampler})  # every label says 3: taken
+    # a stale random-state post (the race of a rank lost after its step's last
+    # collective and before an end-of-step post): the replacement falls back
+    with pytest.raises(LockstepError) as stale:
+        check_labels({"rng": [3, 2], "sampler": 3}, 3, 1, {"sampler": sampler})
+    assert str(stale.value) == (
+        "live recovery: the random state of rank 1 (a post as of 2 finished steps) handed to "
+        "a replacement that resumes after 3 finished steps: it would compute with another "
+        "step's state; falling back to the whole-group restart"
+    )
+    with pytest.raises(LockstepError, match=r"rank 0 \(no post\) and the sampler's place "):
+        check_labels({"rng": [None, 3], "sampler": 2}, 3, 0, {"sampler": sampler})
+    check_labels({"rng": [3, 3], "sampler": 2}, 3, 0, {})  # no sampler given: not checked

@@ -14,7 +14,10 @@ whole-group restart); one per generation names the generation.
 - `JOINED` (each rank of a generation, for the launcher): "1" once it is in the new
   group with its state; `GROUP`: the store prefix of the generation's default group;
 - `AT` (each survivor, for the others): "finished-steps inside(0/1)";
-- `RNG` (each worker, every step, for the donor): its random generators;
+- `RNG` (each worker, every synchronised step, before the step's last collective;
+  read by the donor): `{"step": finished steps it is as of, "state": its random
+  generators}`, in two slots (the parity of that count), so a post for the step under
+  way never overwrites the one a recovery inside that step needs;
 - `BUFFERS` (rank 0, every synchronised forward): (step, buffers), what the next
   buffer broadcast carries;
 - `REBUILD` (rank 0, or the donor): rank 0's ready order, for the rebuild's broadcast;
@@ -40,7 +43,7 @@ HANDOVER = PREFIX + "handover/{rank}"
 JOINED = PREFIX + "joined/{generation}/{rank}"
 GROUP = PREFIX + "gen{generation}/"
 AT = PREFIX + "at/gen{generation}/{rank}"
-RNG = PREFIX + "rng/{rank}"
+RNG = PREFIX + "rng/{rank}/{parity}"  # parity of the finished steps it is as of
 BUFFERS = PREFIX + "buffers0/{parity}"  # two steps kept: the parity of the step
 REBUILD = "rebuild_order"  # per round (`in_round`): one rebuild per process lifetime
 STATEMENT = "data_statement/{rank}"  # per round

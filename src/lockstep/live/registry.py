@@ -93,6 +93,7 @@ class _Registry:
     refusals: list[str] = field(default_factory=list)  # reasons this rank is not recoverable
     pending: list[dict[str, Any]] | None = None  # engine states received before the engine
     after_step: list[Callable[[], None]] = field(default_factory=list)
+    in_step: list[Callable[[], None]] = field(default_factory=list)
     taken: dict[Point, Any] = field(default_factory=dict)  # openings pre-empted: their values
     store: dist.Store | None = None
 
@@ -174,6 +175,18 @@ def add_after_step(action: Callable[[], None]) -> None:
 
 def after_step() -> None:
     for action in _live.after_step:
+        action()
+
+
+def add_in_step(action: Callable[[], None]) -> None:
+    """Run `action` in every synchronised step as its first bucket launches: before the
+    step's last collective, so a rank lost after that collective has posted already
+    (the random state's post)."""
+    _live.in_step.append(action)
+
+
+def in_step() -> None:
+    for action in _live.in_step:
         action()
 
 

@@ -18,15 +18,23 @@ from lockstep.data.sampler import ShardedSampler
 
 
 class SamplerPlace:
-    """The state of the sampler given to `restore()` as of the last finished step."""
+    """The state of the sampler given to `restore()` as of the last finished step.
 
-    def __init__(self, sampler: Any) -> None:
+    Args:
+        sampler: what the script gave `restore()` (None: no sampler).
+        step: the finished steps it is as of now.
+    """
+
+    def __init__(self, sampler: Any, step: int) -> None:
         self.sampler = sampler
         self.state: Any = None
-        self.take()
+        self.step = step  # the finished steps `state` is as of: its label
+        self.take(step)
 
-    def take(self) -> None:
-        """Copy the sampler's state now (between two steps, or at `restore()`)."""
+    def take(self, step: int) -> None:
+        """Copy the sampler's state now, as of `step` finished steps (between two steps,
+        or at `restore()`)."""
+        self.step = step
         if self.sampler is not None:
             self.state = copy.deepcopy(self.sampler.state_dict())
 

@@ -39,11 +39,14 @@ class LiveSteps:
         self.armed = armed
 
     def launching(self, position: int, bucket: Bucket) -> None:
-        """A bucket is about to be launched: copy its local (not yet reduced) gradients.
+        """A bucket is about to be launched: copy its local (not yet reduced) gradients;
+        before the first, the wing's in-step posts (`registry.in_step`).
 
         The copy goes into the buffer of the last step's bucket at that position (no
         allocation per step: a fresh gradient-sized tensor each step costs page faults).
         """
+        if position == 0:
+            registry.in_step()
         buffer = bucket.buffer
         kept = self.kept.get(position)
         if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
