@@ -90,8 +90,10 @@ class LiveState:
         payload["extra"] = self.checkpointer.extra
         payload["sampler"] = self.sampler.handed()  # as of the last finished step
         engines = [engine.state(recovery) for engine in registry.engines()]
-        labels = {"rng": [post["step"] if post else None for post in posts]}
-        labels["sampler"] = self.sampler.step
+        labels = {
+            "rng": [post["step"] if post else None for post in posts],
+            "sampler": self.sampler.step,
+        }
         return {
             "payload": payload,
             "finished": finished,
@@ -131,8 +133,8 @@ def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None
     """The replacement's `restore()`: load the donor's state; returns the last finished step."""
     donor = registry.donor_of()
     bundle = wire.unpack(wire.broadcast(None, donor))
-    payload = bundle["payload"]
-    check_labels(bundle["labels"], int(bundle["finished"]), dist.get_rank(), components)
+    payload, finished = bundle["payload"], int(bundle["finished"])
+    check_labels(bundle["labels"], finished, dist.get_rank(), components)
     load_model(model, payload["model"], SOURCE)
     for name, component in components.items():
         if component is not None:
@@ -142,7 +144,6 @@ def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None
     checkpointer.extra = payload.get("extra")
     passes_continue = continues(payload.get("sampler"))
     registry.adopt_received([{**s, "continues": passes_continue} for s in bundle["engines"]])
-    finished = int(bundle["finished"])
     engine_steps = int(bundle["engines"][0]["steps"]) if bundle["engines"] else 0
     _install(LiveState(checkpointer, model, components, finished - engine_steps, finished))
     registry.post_joined()

@@ -2,8 +2,8 @@
 
 A survivor is recovered inside a step whose batch its loader has already handed out,
 so its sampler's state at that moment counts one batch more than the steps finished.
-`SamplerPlace` copies the state at the end of every synchronised step instead (the
-same moment the random state is copied); the donor sends that copy, and the
+`SamplerPlace` copies the state at the end of every synchronised step instead,
+labelled with the finished steps it is as of; the donor sends that copy, and the
 replacement resumes at the interrupted step's batch: no sample skipped or seen twice.
 A `ShardedSampler` states plain ints, the same on every rank, so the donor's copy
 fits the replacement; its first pass then skips the agreement the others made.
