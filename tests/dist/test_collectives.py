@@ -203,7 +203,9 @@ def _all_checks(ctx) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 5))]
+)
 def test_collectives_match_native(world_size):
     results = run_ranks(_all_checks, world_size, timeout_s=30, deadline_s=110)
     failures = [f"rank {rank}: {fail}" for rank, fails in enumerate(results) for fail in fails]

@@ -27,7 +27,7 @@ TOLERANCE = {2: 0.0, 4: 1e-6}
 BF16_SUM_TOLERANCE = {2: 0.0, 4: 1e-2}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def runs(request):
     world = request.param
     return world, run_ranks(run_all, world, list(SCENARIOS), deadline_s=300)

@@ -35,7 +35,7 @@ def _train_each(ctx):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_each_algorithm_matches_native_engine(world):
     results = run_ranks(_train_each, world, deadline_s=240, timeout_s=60)
     for name in CHOSEN:

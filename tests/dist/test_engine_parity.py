@@ -35,7 +35,10 @@ def _close(a: dict, b: dict, atol: float | None, what: str) -> None:
             torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"{what}: {name}")
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
+FOUR_RANKS = pytest.param(4, marks=pytest.mark.slow)  # make test, not the inner loop
+
+
+@pytest.fixture(scope="module", params=[1, 2, FOUR_RANKS], ids=lambda n: f"world{n}")
 def runs(request):
     world = request.param
     return world, run_ranks(train_all, world, deadline_s=240, timeout_s=60)

@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from lockstep.testing import run_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -28,6 +30,7 @@ def _demo(ctx, out):
     return first, resumed
 
 
+@pytest.mark.slow  # the whole demo, twice
 def test_demo_trains_draws_checks_replicas_and_resumes(tmp_path):
     out = tmp_path / "run"
     # rank 0 draws the pictures after the first run while rank 1 starts the second and

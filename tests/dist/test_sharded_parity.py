@@ -69,6 +69,7 @@ def test_stage3_matches_torch_fully_shard_bitwise(world2, name):
         _compare(ref, out, None, f"{name} stage3 vs torch fully_shard on rank {rank}")
 
 
+@pytest.mark.slow
 def test_stages_match_ddp_at_world_4():
     results = run_ranks(_all_models, 4, "sgd", 1, deadline_s=300, timeout_s=60)
     for name in MODELS:

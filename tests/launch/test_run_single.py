@@ -70,6 +70,7 @@ def test_more_than_one_launcher_per_node_under_srun_is_refused_with_the_fix(monk
     assert run_config(parser.parse_args(["run", "--nproc-per-node", "2", TRAIN])).nnodes == 1
 
 
+@pytest.mark.slow  # a whole launcher run
 def test_bad_rank_variables_are_named_by_the_worker():
     """A script started by hand with inconsistent variables fails on init() with their names."""
     code = (
