@@ -27,6 +27,9 @@ SRC = ROOT / "src"
 HERE = Path(__file__).resolve().parent
 PTH = "lockstep-engine.pth"
 TIMEOUT_S = 240
+# each test starts Python processes that import torch (and Lightning) themselves: the
+# subprocesses' own bound, not pytest's default of 120 s, ends a stuck one
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 def test_the_build_puts_the_pth_file_at_the_top_of_site_packages(tmp_path):
