@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -29,7 +28,8 @@ PTH = "lockstep-engine.pth"
 TIMEOUT_S = 240
 # each test starts Python processes that import torch (and Lightning) themselves: the
 # subprocesses' own bound, not pytest's default of 120 s, ends a stuck one
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+# (slow: frameworks' imports and ranks are for make test, not the inner loop)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 
 
 def test_the_build_puts_the_pth_file_at_the_top_of_site_packages(tmp_path):
