@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 HERE = Path(__file__).resolve().parent
