@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 from pathlib import Path
@@ -10,6 +11,14 @@ from typing import Any
 import torch
 
 ENGINES = ("torch", "lockstep")
+
+
+def case_names(module: str) -> list[str]:
+    """The cases of `module` (its `case_*` functions, in order), read from its source:
+    collecting the tests does not import the framework (seconds per pytest worker)."""
+    tree = ast.parse(Path(__file__).with_name(f"{module}.py").read_text())
+    functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
+    return [name.removeprefix("case_") for name in functions if name.startswith("case_")]
 
 
 def assert_same(ours: Any, theirs: Any, where: str) -> None:

@@ -7,18 +7,16 @@ with both engines in the same ranks; each test compares one case bitwise
 
 from __future__ import annotations
 
-import accelerate_cases
 import pytest
 import torch
-import trainer_cases
-from framework_results import check_case, run_all
+from framework_results import case_names, check_case, run_all
 
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
 
-CASES = [("accelerate_cases", name) for name in accelerate_cases.CASES]
-CASES += [("trainer_cases", name) for name in trainer_cases.CASES]
+CASES = [("accelerate_cases", name) for name in case_names("accelerate_cases")]
+CASES += [("trainer_cases", name) for name in case_names("trainer_cases")]
 NAMES = [name for _, name in CASES if name != "fingerprint"]  # differs by design
 
 

@@ -6,15 +6,14 @@ same ranks; each test compares one case bitwise.
 
 from __future__ import annotations
 
-import lightning_cases
 import pytest
-from framework_results import check_case, run_all
+from framework_results import case_names, check_case, run_all
 
 from lockstep.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # frameworks' imports and ranks: make test, not the inner loop
 
-CASES = [("lightning_cases", name) for name in lightning_cases.CASES]
+CASES = [("lightning_cases", name) for name in case_names("lightning_cases")]
 NAMES = [name for _, name in CASES]
 
 
