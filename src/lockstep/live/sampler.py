@@ -28,7 +28,7 @@ class SamplerPlace:
     def __init__(self, sampler: Any, step: int) -> None:
         self.sampler = sampler
         self.state: Any = None
-        self.step = step  # the finished steps `state` is as of: its label
+        self.step = 0  # the finished steps `state` is as of: its label (set by `take`)
         self.take(step)
 
     def take(self, step: int) -> None:
