@@ -34,13 +34,19 @@ def _hygiene():
 # `run_ranks` of every scenario, checked by many tests): each module runs on one worker,
 # so the fixture runs once, not once per worker that takes one of its tests.
 MODULE_GROUPED = ("dist", "frameworks", "compat", "gpu")
+# The order work reaches the workers (the Makefile passes --no-loadscope-reorder, so
+# pytest-xdist keeps it): the longest first, the short unit tests last, where they
+# fill the gaps. xdist's own order (most tests per group first) left whole launcher
+# runs, one test each, for the end: one worker ran on alone for a minute.
+LONGEST_FIRST = ("netns", "slurm", "mpi", "launch", "frameworks", "compat", "dist", "gpu", "unit")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`), tests that build network namespaces, a Slurm
     cluster or an MPI job run one at a time, on one worker each: they time real
     heartbeats and cuts, which must not share the two cores with each other. The
-    modules of `MODULE_GROUPED` run each on one worker."""
+    modules of `MODULE_GROUPED` run each on one worker. Work is handed out longest
+    first (`LONGEST_FIRST`)."""
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
@@ -49,6 +55,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 _join_group(item, kind)
         if item.path.parent.name in MODULE_GROUPED:
             _join_group(item, item.path.stem)
+    items.sort(key=_expected_length)
+
+
+def _expected_length(item: pytest.Item) -> int:
+    """`LONGEST_FIRST`'s index of the item's cluster group, else of its test folder."""
+    for kind in LONGEST_FIRST[:3]:
+        if item.get_closest_marker(kind):
+            return LONGEST_FIRST.index(kind)
+    folder = item.path.parent.name
+    return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def _join_group(item: pytest.Item, group: str) -> None:

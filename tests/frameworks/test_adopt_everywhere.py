@@ -84,7 +84,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # three interpreters importing torch: make soak
 def test_ranks_of_mp_spawn_build_lockstep_engine_from_the_variable_alone(python, tmp_path):
     argv = [str(HERE / "spawn_ranks.py"), str(_free_port())]
     out = _run(python, argv, tmp_path, LOCKSTEP_ENGINE="lockstep")

@@ -212,6 +212,7 @@ def test_a_rank_lost_after_its_steps_last_collective_hands_over_that_steps_rando
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_loss_in_the_monitors_closing_barrier_is_recovered_live(tmp_path):
