@@ -11,7 +11,11 @@ the process's first batch: its peers wait in the sampler's agreement), or "save"
 (rank 0 dies between the checkpoint's temporary file and its rename, another rank
 before the save's barrier), or "save_message" (a rank other than 0, inside rank 0's
 word on the write, its length received: peers that rank 0 reaches directly finish the
-save, the others are still in it), or "hang" (stays in forward);
+save, the others are still in it), or "hang" (stays in forward), or "stop_save" (as
+"save", but the rank stops itself with SIGSTOP instead of dying), or "stop_wait" (the
+rank stops itself with SIGSTOP while it waits on a gradient bucket of STEP; every other
+rank sleeps 1 s before that step's forward, so the wait is open when it stops and they
+then wait for it in the same all-reduce);
 LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
 joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
 """
@@ -22,6 +26,7 @@ import argparse
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from train_live import FEATURES, arm_kill
 
 import lockstep
 from lockstep.checkpoint import coordination
+from lockstep.runtime import progress
 
 SAMPLES, BATCH = 40, 4  # 5 steps per epoch at world size 2
 
@@ -48,13 +54,46 @@ class Numbered(Dataset):
         return index, x, x.sum(dim=0, keepdim=True).sin()
 
 
+PEER_DELAY_S = 1.0  # "stop_wait": the others' sleep before the step, longer than a step
+
+
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def stop() -> None:
+    """Freeze this process, every thread of it (state T), as Ctrl-Z or a debugger would."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def stop_in_a_bucket_wait() -> None:
+    """A thread that stops this process once it notes a wait on a gradient bucket (bounded)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            record = progress.current()
+            if record.phase == progress.Phase.WAITING and record.label.startswith("gradient"):
+                stop()
+                return
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, name="test-stop-in-wait", daemon=True).start()
+
+
 def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[bool]) -> None:
-    if where.startswith("save"):
-        arm_save_fault(checkpoints, rank, where, when)
+    if where.startswith(("save", "stop_save")):
+        act = stop if where == "stop_save" else die
+        arm_save_fault(checkpoints, rank, where.removeprefix("stop_"), when, act)
+    elif where == "stop_wait":
+        started: list[bool] = []
+
+        def arm_stop(*_: object) -> None:
+            if when[0] and not started:
+                started.append(True)
+                stop_in_a_bucket_wait()
+
+        model[2].register_forward_pre_hook(arm_stop)
     elif where == "hang":
 
         def hang(*_: object) -> None:
@@ -66,15 +105,15 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
         arm_kill(model, optimizer, where, when)
 
 
-def arm_save_fault(checkpoints, rank: int, where: str, when: list[bool]) -> None:
+def arm_save_fault(checkpoints, rank: int, where: str, when: list[bool], act=die) -> None:
     if where == "save" and rank == 0:  # the writer: temporary file written, not renamed
-        checkpoints.files.on_point = lambda point: point == "temp_synced" and when[0] and die()
+        checkpoints.files.on_point = lambda point: point == "temp_synced" and when[0] and act()
     elif where == "save":  # a rank that does not write: before the barrier after the write
         barrier = checkpoints._ranks.wait_for_rank0
 
         def dying_barrier(what: str) -> None:
             if when[0]:
-                die()
+                act()
             barrier(what)
 
         checkpoints._ranks.wait_for_rank0 = dying_barrier
@@ -104,6 +143,16 @@ def planned_fault(rank: int, start: int, generation: int, restart: int) -> tuple
         if restart == 0 and int(kill_rank) == rank and int(step) >= start + (generation > 0):
             return int(step), where
     return -1, ""
+
+
+def peer_stop_steps(rank: int) -> set[int]:
+    """The steps at which another rank plans "stop_wait" (this rank sleeps before them)."""
+    plans = filter(None, os.environ.get("LOCKSTEP_TEST_KILL", "").split(","))
+    return {
+        int(s)
+        for r, s, where in (p.split(":") for p in plans)
+        if where == "stop_wait" and int(r) != rank
+    }
 
 
 def replacement_dies(rank: int, generation: int) -> bool:
@@ -156,8 +205,11 @@ def main() -> None:
     armed = [False]
     arm_fault(model, optimizer, checkpoints, ctx.rank, where, armed)
     batches = endless(loader)
+    delays = peer_stop_steps(ctx.rank)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
+        if step in delays:  # a peer stops in this step's bucket wait: let it wait first
+            time.sleep(PEER_DELAY_S)
         if where == "agreement" and armed[0]:  # before its first batch: peers in the agreement
             die()
         ids, x, y = next(batches)

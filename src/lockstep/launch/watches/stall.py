@@ -2,13 +2,13 @@
 
 Workers note their step and phase in memory-mapped files (`lockstep.runtime.progress`);
 the agent calls `StallWatch.check` at every look at its workers. When no local worker
-has progressed for `timeout_s` while at least one of them waits in a collective, the
-run is stalled: the workers that are not waiting are the stuck ones. Each gets
-SIGUSR2, which makes faulthandler (armed by `lockstep.launch.supervise.bootstrap`) write its
-Python stack to a file; the stuck rank becomes the first failure, with that stack,
-and the waiting ranks its echoes, with what they wait on. A stuck worker that is
-stopped (state T in /proc/<pid>/stat: SIGSTOP, Ctrl-Z, a debugger) cannot write a
-stack; it is named as frozen instead.
+has progressed for `timeout_s`, `judge` decides: a worker that is stopped (state T in
+/proc/<pid>/stat: SIGSTOP, Ctrl-Z, a debugger) is the stuck one, whatever phase it
+noted last (a wait, a save); without one, the workers that do not wait in a collective
+are stuck, once at least one waits. Each stuck worker that runs gets SIGUSR2, which
+makes faulthandler (armed by `lockstep.launch.supervise.bootstrap`) write its Python
+stack to a file; a stopped one cannot, and is named as frozen. The stuck rank becomes
+the first failure and the others its echoes, with what they wait on.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,58 @@ def request_stack(pid: int, path: Path) -> str | None:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+# How far a worker got inside one step (`Record.step`), for `judge`'s order
+_PHASE_ORDER = {
+    Phase.STARTING: 0,
+    Phase.OPENING: 1,  # waiting on a collective that opens the step
+    Phase.BACKWARD: 2,
+    Phase.WAITING: 3,
+    Phase.SYNCHRONISED: 4,
+    Phase.BETWEEN: 5,  # waiting on a collective after the step
+    Phase.CHECKPOINT: 6,  # a save after the step (the script's own step number)
+}
+
+
+def advance(record: Record | None) -> tuple[int, int, int]:
+    """How far a worker got: its step, then its phase in the step, then the bucket."""
+    if record is None:
+        return (-1, 0, -1)
+    return (record.step, _PHASE_ORDER[record.phase], record.index)
+
+
+def judge(
+    records: Mapping[int, Record | None], stopped: Collection[int]
+) -> tuple[list[int], list[int]] | None:
+    """Who is stuck and who waits for it, by local rank; None when no one waits for anyone.
+
+    A stopped process runs nothing, so it is stuck whatever it noted last, a wait on
+    a collective or a save (whose own messages note no wait); the others only wait for
+    it and are never blamed. Without one, the workers that are not waiting in a
+    collective are stuck, once at least one waits (none waiting: they all compute).
+    Each list is least advanced first (`advance`): of two stuck ranks the one behind is
+    the likelier cause, and it is the one named first.
+
+    Args:
+        records: each local worker's last progress record (None: none yet).
+        stopped: the local ranks whose process is stopped (state T or t).
+
+    Returns:
+        (stuck, waiting): every worker is in one; stuck is empty when every worker
+        waits in a collective and none is stopped (the stuck rank is not here to see).
+    """
+    if any(rank in records for rank in stopped):
+        stuck = [rank for rank in records if rank in stopped]
+    elif any(_is_waiting(record) for record in records.values()):
+        stuck = [rank for rank, record in records.items() if not _is_waiting(record)]
+    else:
+        return None
+    waiting = [rank for rank in records if rank not in stuck]
+    return (
+        sorted(stuck, key=lambda rank: advance(records[rank])),
+        sorted(waiting, key=lambda rank: advance(records[rank])),
+    )
+
+
 @dataclass(frozen=True)
 class Stall:
     """What the watch found: failures (stuck ranks first) and the lines the launcher logs."""
@@ -88,7 +141,8 @@ class StallWatch:
             path.unlink(missing_ok=True)
 
     def check(self, workers: list[Worker], node_rank: int, host: str) -> Stall | None:
-        """A `Stall` when this node's workers stopped progressing while some wait; else None."""
+        """A `Stall` when this node's workers stopped progressing and `judge` finds who
+        waits for whom; else None."""
         now = time.monotonic()
         records = {w.local_rank: progress.read(self._progress(w)) for w in workers}
         for local_rank, record in records.items():
@@ -97,10 +151,15 @@ class StallWatch:
                 self._seen[local_rank] = seq
                 self._since = now
         quiet = now - self._since
-        waiting = [w for w in workers if _is_waiting(records[w.local_rank])]
-        stuck = [w for w in workers if w not in waiting]
+        if quiet < self.timeout_s:
+            return None
+        verdict = judge(records, {w.local_rank for w in workers if _frozen(w)})
+        if verdict is None:
+            return None
+        by_rank = {w.local_rank: w for w in workers}
+        stuck, waiting = [by_rank[r] for r in verdict[0]], [by_rank[r] for r in verdict[1]]
         limit = self.timeout_s + (OTHER_NODE_GRACE_S if not stuck and self.nnodes > 1 else 0)
-        if not waiting or quiet < limit:
+        if quiet < limit:
             return None
         waits = {w.global_rank: records[w.local_rank] for w in waiting}
         failures = [
@@ -164,10 +223,17 @@ class StallWatch:
         quiet: float,
     ) -> str:
         waiting = "; ".join(f"rank {r} {rec.describe()}" for r, rec in waits.items() if rec)
-        if not stuck:
+        if not stuck and self.nnodes > 1:
             return (
                 f"no progress for {quiet:.0f} s on this node and every local rank waits in a "
                 f"collective ({waiting}): the stuck rank is on another node; see its log."
+            )
+        if not stuck:
+            return (
+                f"no progress for {quiet:.0f} s and every rank waits in a collective, none of "
+                f"them stopped ({waiting}): they wait on collectives that do not match (a "
+                "rank-only branch, uneven data) or on a transport that hangs; each rank's log "
+                "says what it waits on, and py-spy dump shows where each one is."
             )
         names = ", ".join(
             f"rank {w.global_rank} ({'frozen, ' if _frozen(w) else ''}"
@@ -228,7 +294,6 @@ def _where(record: Record | None) -> str:
 def _waiter(
     worker: Worker, record: Record | None, quiet: float, node_rank: int, host: str
 ) -> WorkerFailure:
-    assert record is not None
     return WorkerFailure(
         rank=worker.global_rank,
         local_rank=worker.local_rank,
@@ -236,7 +301,7 @@ def _waiter(
         host=host,
         pid=worker.id or 0,
         how="stopped by the stall watch",
-        message=f"stalled: {record.describe()} for {quiet:.0f} s",
+        message=f"stalled: {_where(record)} for {quiet:.0f} s",
         detected=time.time(),
     )
 
