@@ -244,6 +244,26 @@ def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_torch_script_that_makes_its_own_group_is_recovered_live(tmp_path):
+    """A torch script (`--torch`: torch's `init_process_group` and DDP class, lockstep's
+    engine by `--engine lockstep`). Its replacement joined the job's first group, where
+    nobody was, and waited in the hand-over's broadcast while rank 0 waited for it in
+    the new group, until the collective timeout; now torch's call joins the new group,
+    and the run ends bitwise equal to the uninterrupted one."""
+    flags, script = ["--engine", "lockstep"], ("--torch",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, PLAIN, flags, None, *script)
+    out = tmp_path / "killed"
+    env = {"LOCKSTEP_TEST_KILL": "1:3:backward", "LOCKSTEP_TIMEOUT_S": "60"}
+    log = _run(out, PLAIN, [*flags, "--live-recovery"], env, *script)
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 4"
+    _assert_recovered_live(out, log, [line], ["0.0.0", "1.0.0", "1.1.0"])
+    _assert_bitwise(out, oracle)
+
+
 def test_replace_stuck_needs_live_recovery():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
