@@ -246,6 +246,48 @@ def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
 
 @pytest.mark.soak
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivors_a_step_end_apart(tmp_path):
+    """Three ranks; rank 1 dies after step 5's fingerprint (the step's last collective),
+    rank 2 finishes step 5 and meets the loss in step 6's buckets, while rank 0's wait on
+    step 5's fingerprint ends with the loss (`behind`). Before, rank 0 ran step 5 again
+    and rank 2 step 6, and the group stalled: now rank 0 takes step 5's outcome from rank
+    2, rank 2 hands the state over, and the run ends bitwise equal to the uninterrupted
+    one, each sample read once. Had rank 0 still been in step 5's last bucket
+    (`behind_bucket`), it would lack that step's averaged gradients, which rank 2 has
+    applied: every survivor falls back at once with that reason."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], nproc=3)
+    out = tmp_path / "behind"
+    env = {"LOCKSTEP_TEST_KILL": "1:4:end_step,0:4:behind"}
+    log = _run(out, FAULTS, ["--live-recovery"], env, nproc=3)
+    lines = [
+        "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 5, in its "
+        "fingerprint (its last collective), which rank(s) [2] had finished; step 5 ended "
+        "with their outcome, nothing run again",
+        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced inside step 6; step 6 "
+        "finished again",
+    ]
+    _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
+    _assert_bitwise(out, oracle, world_size=3)
+    for rank in (0, 2):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
+    # rank 1 died after step 5's last collective, before it wrote down that step's ids
+    expected = [line for line in _ids(oracle, 1) if not line.startswith("4 ")]
+    assert _ids(out, 1) == expected, _ids(out, 1)
+    out = tmp_path / "behind_bucket"
+    env = {"LOCKSTEP_TEST_KILL": "1:4:end_step,0:4:behind_bucket"}
+    log = _run(out, FAULTS, ["--live-recovery", "--max-restarts", "1"], env, nproc=3)
+    assert (
+        "live recovery not possible: rank 0: survivor rank 0 met the loss in a bucket of "
+        "step 5 with 4 steps finished, while rank(s) [2] had finished 5: rank 0 lacks that "
+        "step's averaged gradients, and the ranks that had them applied them already"
+    ) in log, log
+    _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_torch_script_that_makes_its_own_group_is_recovered_live(tmp_path):
     """A torch script (`--torch`: torch's `init_process_group` and DDP class, lockstep's

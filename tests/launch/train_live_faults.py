@@ -11,7 +11,9 @@ the process's first batch: its peers wait in the sampler's agreement), or "save"
 (rank 0 dies between the checkpoint's temporary file and its rename, another rank
 before the save's barrier), or "save_message" (a rank other than 0, inside rank 0's
 word on the write, its length received: peers that rank 0 reaches directly finish the
-save, the others are still in it), or "hang" (stays in forward);
+save, the others are still in it), or "hang" (stays in forward), or "behind" /
+"behind_bucket" (this rank's wait on the step's fingerprint / last bucket ends with
+the loss once another rank is dead and a third has finished the step: `arm_behind`);
 LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
 joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
 """
@@ -52,9 +54,12 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[bool]) -> None:
+def arm_fault(model, optimizer, checkpoints, ddp, out: Path, where: str, when: list[bool]) -> None:
+    rank = ddp.ctx.rank
     if where.startswith("save"):
         arm_save_fault(checkpoints, rank, where, when)
+    elif where.startswith("behind"):
+        arm_behind(ddp, out, rank, where == "behind", when)
     elif where == "hang":
 
         def hang(*_: object) -> None:
@@ -63,7 +68,58 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
 
         model[2].register_forward_pre_hook(hang)
     else:
-        arm_kill(model, optimizer, where, when)
+        arm_kill(model, optimizer, where, when, ddp)
+
+
+def arm_behind(ddp, out: Path, rank: int, fingerprint: bool, when: list[bool]) -> None:
+    """This rank's wait on the step's fingerprint (or on its last bucket) ends with the
+    loss, after a peer died and another finished the step. gloo fails a collective that
+    way when the lost rank's connection closes before this rank's part of it is done,
+    while a rank that received everything finishes it: a window inside gloo that no
+    script can aim at, so the failure is raised here, as gloo raises it, once the lost
+    rank is gone and a third rank has recorded the step (OUT/ids)."""
+    driver = ddp.reducer.driver
+
+    def fail() -> None:
+        deadline = time.monotonic() + 60
+        while not (_anyone(out, rank, _recorded, driver.steps) and _anyone(out, rank, _gone)):
+            if time.monotonic() > deadline:
+                raise AssertionError("behind: no peer died and another finished the step")
+            time.sleep(0.05)
+        raise RuntimeError("Connection closed by peer (test: in the step's last collectives)")
+
+    if fingerprint:
+        check = driver.fingerprint.check
+        driver.fingerprint.check = lambda: fail() if when[0] else check()
+        return
+    launch = driver.collective.launch
+
+    def launching(bucket, is_last: bool):
+        handle = launch(bucket, is_last)
+        if when[0] and is_last:
+            handle.wait = fail  # the driver's waits in `_finalize`: polls never wait
+        return handle
+
+    driver.collective.launch = launching
+
+
+def _anyone(out: Path, me: int, seen, *args) -> bool:
+    """Whether `seen(path, *args)` holds for another rank's first process (OUT/pids)."""
+    others = [p for p in (out / "pids").glob("*.0.0") if not p.name.startswith(f"{me}.")]
+    return any(seen(p, *args) for p in others)
+
+
+def _recorded(pid_file: Path, step: int) -> bool:
+    ids = pid_file.parent.parent / "ids" / pid_file.name
+    return ids.exists() and any(line.split()[0] == str(step) for line in ids.open())
+
+
+def _gone(pid_file: Path) -> bool:
+    try:
+        state = Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rsplit(")", 1)[1]
+    except OSError:
+        return True
+    return state.split()[0] in ("Z", "X")
 
 
 def arm_save_fault(checkpoints, rank: int, where: str, when: list[bool]) -> None:
@@ -154,7 +210,7 @@ def main() -> None:
     start = 0 if last is None else last + 1
     kill_step, where = planned_fault(ctx.rank, start, generation, ctx.restart_count)
     armed = [False]
-    arm_fault(model, optimizer, checkpoints, ctx.rank, where, armed)
+    arm_fault(model, optimizer, checkpoints, ddp, out, where, armed)
     batches = endless(loader)
     for step in range(start, args.steps):
         armed[0] = step == kill_step
