@@ -78,9 +78,10 @@ def arm_behind(ddp, out: Path, rank: int, fingerprint: bool, when: list[bool]) -
     while a rank that received everything finishes it: a window inside gloo that no
     script can aim at, so the failure is raised here, as gloo raises it, once the lost
     rank is gone and a third rank has recorded the step (OUT/ids)."""
-    driver = ddp.reducer.driver
+    driver, fired = ddp.reducer.driver, [False]
 
     def fail() -> None:
+        fired[0] = True  # once: the step's collectives run again (if they do) end as usual
         deadline = time.monotonic() + 60
         while not (_anyone(out, rank, _recorded, driver.steps) and _anyone(out, rank, _gone)):
             if time.monotonic() > deadline:
@@ -90,13 +91,13 @@ def arm_behind(ddp, out: Path, rank: int, fingerprint: bool, when: list[bool]) -
 
     if fingerprint:
         check = driver.fingerprint.check
-        driver.fingerprint.check = lambda: fail() if when[0] else check()
+        driver.fingerprint.check = lambda: fail() if when[0] and not fired[0] else check()
         return
     launch = driver.collective.launch
 
     def launching(bucket, is_last: bool):
         handle = launch(bucket, is_last)
-        if when[0] and is_last:
+        if when[0] and is_last and not fired[0]:
             handle.wait = fail  # the driver's waits in `_finalize`: polls never wait
         return handle
 
