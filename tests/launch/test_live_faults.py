@@ -288,6 +288,36 @@ def test_survivors_a_step_end_apart(tmp_path):
 
 @pytest.mark.soak
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_survivor_a_step_behind_skips_what_those_ahead_skipped(tmp_path):
+    """As above, with BatchNorm and a Monitor: rank 2, past step 5, meets the loss in
+    step 6's buffer broadcast (from rank 0, still in step 5's fingerprint), or, one step
+    later, in the Monitor's loss average after step 6. Rank 0 then skips the same: it
+    takes step 6's broadcast from its own post, or goes on without that average, as
+    rank 2 did; both runs end bitwise equal to the uninterrupted one, buffers included."""
+    script = ("--batchnorm", "--monitor")
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], None, *script, nproc=3)
+    met = {
+        4: "during the buffer broadcast of step 6, at the start of the step",
+        5: "during the Monitor's loss average of step 6, between steps",
+    }
+    for step, where in met.items():
+        out = tmp_path / f"behind_{step}"
+        env = {"LOCKSTEP_TEST_KILL": f"1:{step}:end_step,0:{step}:behind"}
+        log = _run(out, FAULTS, ["--live-recovery"], env, *script, nproc=3)
+        lines = [
+            f"[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step "
+            f"{step + 1}, in its fingerprint (its last collective), which rank(s) [2] had "
+            "finished",
+            f"[rank 2]: live recovery: generation 1, rank(s) [1] replaced {where}",
+        ]
+        _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
+        _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_torch_script_that_makes_its_own_group_is_recovered_live(tmp_path):
     """A torch script (`--torch`: torch's `init_process_group` and DDP class, lockstep's

@@ -15,7 +15,8 @@ save, the others are still in it), or "hang" (stays in forward), or "behind" /
 "behind_bucket" (this rank's wait on the step's fingerprint / last bucket ends with
 the loss once another rank is dead and a third has finished the step: `arm_behind`);
 LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
-joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
+joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer;
+`--monitor`: a `lockstep.Monitor` whose loss average runs every 2 steps.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--random-seed", action="store_true", help="shard(seed=None)")
     parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--monitor", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
@@ -213,19 +215,26 @@ def main() -> None:
     armed = [False]
     arm_fault(model, optimizer, checkpoints, ddp, out, where, armed)
     batches = endless(loader)
+    every = {"log_every": 2, "start_step": start, "progress": False}
+    monitor = lockstep.Monitor(ddp, ctx, **every) if args.monitor else None
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         if where == "agreement" and armed[0]:  # before its first batch: peers in the agreement
             die()
         ids, x, y = next(batches)
         optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
         with open(out / "ids" / name, "a") as record:
             record.write(f"{step} {' '.join(str(i) for i in ids.tolist())}\n")
         optimizer.step()
+        if monitor is not None:
+            monitor.step(loss, batch_size=BATCH)
         if (step + 1) % 4 == 0:
             checkpoints.save(step, model=ddp, optimizer=optimizer, sampler=loader)
         print(f"rank {ctx.rank} finished step {step}", flush=True)
+    if monitor is not None:
+        monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, out / f"final_rank{ctx.rank}.pt")
     lockstep.shutdown()
