@@ -8,12 +8,13 @@ replacement then waited in the hand-over's broadcast on that group while the
 survivors waited for it in the new one, until the collective timeout
 (`LOCKSTEP_TIMEOUT_S`), and the fallback blamed the survivors.
 
-So in a replacement, `install()` (at `import lockstep`, which `--engine lockstep`
-does as torch is imported) wraps torch's `init_process_group`: while the process
-has no group, a call joins its generation's group with the launcher's rank and world
-size, whatever rendezvous the script named (`env://`, `tcp://`, a store); any other
-call is torch's own. A group made before lockstep was imported escapes the wrap: the
-replacement then falls back at its wrap, naming that (`check_joined`).
+So in a replacement, `install()` (at `import lockstep`, which `lockstep run`'s worker
+bootstrap does before the script's first line) wraps `torch.distributed`'s
+`init_process_group`: while the process has no group, a call joins its generation's
+group with the launcher's rank and world size, whatever rendezvous the script named
+(`env://`, `tcp://`, a store); any other call is torch's own. A group made around the
+wrap (torch's `distributed_c10d.init_process_group` called directly) is caught at the
+replacement's wrap, which falls back at once, naming it (`check_joined`).
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ def check_joined() -> None:
     """A replacement at its wrap: its default group is its generation's.
 
     Raises:
-        LockstepError: the script made its group before `import lockstep` (torch's
-            `init_process_group` was not yet wrapped): that group holds no survivor.
+        LockstepError: the group was made around the wrap: it holds no survivor.
     """
     if group.joined() != group.start_generation():
         raise lines.fallback(
             f"this replacement of generation {group.start_generation()} made its process "
-            "group before lockstep was imported, on the keys of the job's first group where "
-            "no survivor waits; import lockstep before torch.distributed.init_process_group "
-            "(or run with --engine lockstep, which imports it with torch)"
+            "group without joining its generation (torch's "
+            "distributed_c10d.init_process_group called directly?), on the keys of the job's "
+            "first group, where no survivor waits; call torch.distributed.init_process_group "
+            "or lockstep.init()"
         )
