@@ -244,6 +244,98 @@ def test_a_script_without_checkpointer_and_a_second_kill(tmp_path):
     _assert_bitwise(out, oracle)
 
 
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivors_a_step_end_apart(tmp_path):
+    """Three ranks; rank 1 dies after step 5's fingerprint (the step's last collective),
+    rank 2 finishes step 5 and meets the loss in step 6's buckets, while rank 0's wait on
+    step 5's fingerprint ends with the loss (`behind`). Before, rank 0 ran step 5 again
+    and rank 2 step 6, and the group stalled: now rank 0 takes step 5's outcome from rank
+    2, rank 2 hands the state over, and the run ends bitwise equal to the uninterrupted
+    one, each sample read once. Had rank 0 still been in step 5's last bucket
+    (`behind_bucket`), it would lack that step's averaged gradients, which rank 2 has
+    applied: every survivor falls back at once with that reason."""
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], nproc=3)
+    out = tmp_path / "behind"
+    env = {"LOCKSTEP_TEST_KILL": "1:4:end_step,0:4:behind"}
+    log = _run(out, FAULTS, ["--live-recovery"], env, nproc=3)
+    lines = [
+        "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 5, in its "
+        "fingerprint (its last collective), which rank(s) [2] had finished; step 5 ended "
+        "with their outcome, nothing run again",
+        "[rank 2]: live recovery: generation 1, rank(s) [1] replaced inside step 6; step 6 "
+        "finished again",
+    ]
+    _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
+    _assert_bitwise(out, oracle, world_size=3)
+    for rank in (0, 2):
+        assert _ids(out, rank) == _ids(oracle, rank), (rank, _ids(out, rank))
+    # rank 1 died after step 5's last collective, before it wrote down that step's ids
+    expected = [line for line in _ids(oracle, 1) if not line.startswith("4 ")]
+    assert _ids(out, 1) == expected, _ids(out, 1)
+    out = tmp_path / "behind_bucket"
+    env = {"LOCKSTEP_TEST_KILL": "1:4:end_step,0:4:behind_bucket"}
+    log = _run(out, FAULTS, ["--live-recovery", "--max-restarts", "1"], env, nproc=3)
+    assert (
+        "live recovery not possible: rank 0: survivor rank 0 met the loss in a bucket of "
+        "step 5 with 4 steps finished, while rank(s) [2] had finished 5: rank 0 lacks that "
+        "step's averaged gradients, and the ranks that had them applied them already"
+    ) in log, log
+    _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_survivor_a_step_behind_skips_what_those_ahead_skipped(tmp_path):
+    """As above, with BatchNorm and a Monitor: rank 2, past step 5, meets the loss in
+    step 6's buffer broadcast (from rank 0, still in step 5's fingerprint), or, one step
+    later, in the Monitor's loss average after step 6. Rank 0 then skips the same: it
+    takes step 6's broadcast from its own post, or goes on without that average, as
+    rank 2 did; both runs end bitwise equal to the uninterrupted one, buffers included."""
+    script = ("--batchnorm", "--monitor")
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, FAULTS, [], None, *script, nproc=3)
+    met = {
+        4: "during the buffer broadcast of step 6, at the start of the step",
+        5: "during the Monitor's loss average of step 6, between steps",
+    }
+    for step, where in met.items():
+        out = tmp_path / f"behind_{step}"
+        env = {"LOCKSTEP_TEST_KILL": f"1:{step}:end_step,0:{step}:behind"}
+        log = _run(out, FAULTS, ["--live-recovery"], env, *script, nproc=3)
+        lines = [
+            f"[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step "
+            f"{step + 1}, in its fingerprint (its last collective), which rank(s) [2] had "
+            "finished",
+            f"[rank 2]: live recovery: generation 1, rank(s) [1] replaced {where}",
+        ]
+        _assert_recovered_live(out, log, lines, ["0.0.0", "1.0.0", "1.1.0", "2.0.0"])
+        _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_torch_script_that_makes_its_own_group_is_recovered_live(tmp_path):
+    """A torch script (`--torch`: torch's `init_process_group` and DDP class, lockstep's
+    engine by `--engine lockstep`). Its replacement joined the job's first group, where
+    nobody was, and waited in the hand-over's broadcast while rank 0 waited for it in
+    the new group, until the collective timeout; now torch's call joins the new group,
+    and the run ends bitwise equal to the uninterrupted one."""
+    flags, script = ["--engine", "lockstep"], ("--torch",)
+    oracle = tmp_path / "uninterrupted"
+    _run(oracle, PLAIN, flags, None, *script)
+    out = tmp_path / "killed"
+    env = {"LOCKSTEP_TEST_KILL": "1:3:backward", "LOCKSTEP_TIMEOUT_S": "60"}
+    log = _run(out, PLAIN, [*flags, "--live-recovery"], env, *script)
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 4"
+    _assert_recovered_live(out, log, [line], ["0.0.0", "1.0.0", "1.1.0"])
+    _assert_bitwise(out, oracle)
+
+
 def test_replace_stuck_needs_live_recovery():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())

@@ -15,9 +15,12 @@ save, the others are still in it), or "hang" (stays in forward), or "stop_save" 
 "save", but the rank stops itself with SIGSTOP instead of dying), or "stop_wait" (the
 rank stops itself with SIGSTOP while it waits on a gradient bucket of STEP; every other
 rank sleeps 1 s before that step's forward, so the wait is open when it stops and they
-then wait for it in the same all-reduce);
+then wait for it in the same all-reduce), or "behind" / "behind_bucket" (this rank's
+wait on the step's fingerprint / last bucket ends with the loss once another rank is
+dead and a third has finished the step: `arm_behind`);
 LOCKSTEP_TEST_KILL_REPLACEMENT="RANK:GENERATION" makes that replacement die before it
-joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer.
+joins. `--random-seed`: `shard(seed=None)`; `--batchnorm`: a BatchNorm layer;
+`--monitor`: a `lockstep.Monitor` whose loss average runs every 2 steps.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ def stop_in_a_bucket_wait() -> None:
     threading.Thread(target=watch, name="test-stop-in-wait", daemon=True).start()
 
 
-def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[bool]) -> None:
+def arm_fault(model, optimizer, checkpoints, ddp, out: Path, where: str, when: list[bool]) -> None:
+    rank = ddp.ctx.rank
     if where.startswith(("save", "stop_save")):
         act = stop if where == "stop_save" else die
         arm_save_fault(checkpoints, rank, where.removeprefix("stop_"), when, act)
@@ -94,6 +98,8 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
                 stop_in_a_bucket_wait()
 
         model[2].register_forward_pre_hook(arm_stop)
+    elif where.startswith("behind"):
+        arm_behind(ddp, out, rank, where == "behind", when)
     elif where == "hang":
 
         def hang(*_: object) -> None:
@@ -102,7 +108,59 @@ def arm_fault(model, optimizer, checkpoints, rank: int, where: str, when: list[b
 
         model[2].register_forward_pre_hook(hang)
     else:
-        arm_kill(model, optimizer, where, when)
+        arm_kill(model, optimizer, where, when, ddp)
+
+
+def arm_behind(ddp, out: Path, rank: int, fingerprint: bool, when: list[bool]) -> None:
+    """This rank's wait on the step's fingerprint (or on its last bucket) ends with the
+    loss, after a peer died and another finished the step. gloo fails a collective that
+    way when the lost rank's connection closes before this rank's part of it is done,
+    while a rank that received everything finishes it: a window inside gloo that no
+    script can aim at, so the failure is raised here, as gloo raises it, once the lost
+    rank is gone and a third rank has recorded the step (OUT/ids)."""
+    driver, fired = ddp.reducer.driver, [False]
+
+    def fail() -> None:
+        fired[0] = True  # once: the step's collectives run again (if they do) end as usual
+        deadline = time.monotonic() + 60
+        while not (_anyone(out, rank, _recorded, driver.steps) and _anyone(out, rank, _gone)):
+            if time.monotonic() > deadline:
+                raise AssertionError("behind: no peer died and another finished the step")
+            time.sleep(0.05)
+        raise RuntimeError("Connection closed by peer (test: in the step's last collectives)")
+
+    if fingerprint:
+        check = driver.fingerprint.check
+        driver.fingerprint.check = lambda: fail() if when[0] and not fired[0] else check()
+        return
+    launch = driver.collective.launch
+
+    def launching(bucket, is_last: bool):
+        handle = launch(bucket, is_last)
+        if when[0] and is_last and not fired[0]:
+            handle.wait = fail  # the driver's waits in `_finalize`: polls never wait
+        return handle
+
+    driver.collective.launch = launching
+
+
+def _anyone(out: Path, me: int, seen, *args) -> bool:
+    """Whether `seen(path, *args)` holds for another rank's first process (OUT/pids)."""
+    others = [p for p in (out / "pids").glob("*.0.0") if not p.name.startswith(f"{me}.")]
+    return any(seen(p, *args) for p in others)
+
+
+def _recorded(pid_file: Path, step: int) -> bool:
+    ids = pid_file.parent.parent / "ids" / pid_file.name
+    return ids.exists() and any(line.split()[0] == str(step) for line in ids.open())
+
+
+def _gone(pid_file: Path) -> bool:
+    try:
+        state = Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rsplit(")", 1)[1]
+    except OSError:
+        return True
+    return state.split()[0] in ("Z", "X")
 
 
 def arm_save_fault(checkpoints, rank: int, where: str, when: list[bool], act=die) -> None:
@@ -171,6 +229,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--random-seed", action="store_true", help="shard(seed=None)")
     parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--monitor", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     generation = int(os.environ.get("LOCKSTEP_LIVE_GENERATION", "0"))
@@ -203,9 +262,11 @@ def main() -> None:
     start = 0 if last is None else last + 1
     kill_step, where = planned_fault(ctx.rank, start, generation, ctx.restart_count)
     armed = [False]
-    arm_fault(model, optimizer, checkpoints, ctx.rank, where, armed)
+    arm_fault(model, optimizer, checkpoints, ddp, out, where, armed)
     batches = endless(loader)
     delays = peer_stop_steps(ctx.rank)
+    every = {"log_every": 2, "start_step": start, "progress": False}
+    monitor = lockstep.Monitor(ddp, ctx, **every) if args.monitor else None
     for step in range(start, args.steps):
         armed[0] = step == kill_step
         if step in delays:  # a peer stops in this step's bucket wait: let it wait first
@@ -214,13 +275,18 @@ def main() -> None:
             die()
         ids, x, y = next(batches)
         optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
         with open(out / "ids" / name, "a") as record:
             record.write(f"{step} {' '.join(str(i) for i in ids.tolist())}\n")
         optimizer.step()
+        if monitor is not None:
+            monitor.step(loss, batch_size=BATCH)
         if (step + 1) % 4 == 0:
             checkpoints.save(step, model=ddp, optimizer=optimizer, sampler=loader)
         print(f"rank {ctx.rank} finished step {step}", flush=True)
+    if monitor is not None:
+        monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, out / f"final_rank{ctx.rank}.pt")
     lockstep.shutdown()

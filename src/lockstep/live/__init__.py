@@ -13,7 +13,8 @@ which plugs the wing in at the runtime's seams, and nowhere else:
 - `runtime/wrap_hooks.on_wrap`: each wrapped engine's part (`live/ddp.py`), or the
   reason it cannot be recovered;
 - `runtime/waits.interrupt_with`: a wait ends when a new generation is announced;
-- `context.join_with`: a replacement joins its generation's group.
+- `context.join_with`: a replacement joins its generation's group; so does torch's
+  `init_process_group` in a replacement whose script calls it (`live/torch_init.py`).
 
 No engine, checkpoint, data or observe module imports this package
 (tests/unit/test_layers.py).
@@ -21,12 +22,11 @@ No engine, checkpoint, data or observe module imports this package
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from lockstep.context import join_with
 from lockstep.engine.ddp import DistributedDataParallel
-from lockstep.live import group, registry
+from lockstep.live import registry, torch_init
 from lockstep.live.ddp import LiveDDP
 from lockstep.live.points import LiveRecoverer
 from lockstep.runtime import recovery, waits
@@ -47,21 +47,15 @@ def install() -> None:
     recovery.install(LiveRecoverer())
     waits.interrupt_with(registry.announced)
     on_wrap(_attach, copies=False)
-    join_with(_join_generation)
+    join_with(torch_init.join_generation)
+    torch_init.install()
 
 
 def _attach(model: Any) -> None:
     """A wrapped engine: its part, or the reason it cannot be recovered live."""
+    if registry.joining():  # a replacement receives its state over its generation's group
+        torch_init.check_joined()
     if isinstance(model, DistributedDataParallel):
         LiveDDP.attach(model)
     elif isinstance(model, ShardedDataParallel):
         registry.refuse(registry.SHARDED_REFUSAL)
-
-
-def _join_generation(rank: int, world_size: int, timeout: timedelta) -> bool:
-    """A replacement joins its generation's group instead of making a new one."""
-    generation = group.start_generation()
-    if generation == 0 or not registry.enabled():
-        return False
-    group.join(group.worker_store(timeout), generation, rank, world_size, timeout)
-    return True

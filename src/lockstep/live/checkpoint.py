@@ -131,7 +131,7 @@ def _install(state: LiveState) -> None:
 
 def receive(checkpointer: Any, model: nn.Module, components: dict) -> int | None:
     """The replacement's `restore()`: load the donor's state; returns the last finished step."""
-    donor = registry.donor_of()
+    donor = registry.donor()
     bundle = wire.unpack(wire.broadcast(None, donor))
     payload, finished = bundle["payload"], int(bundle["finished"])
     check_labels(bundle["labels"], finished, dist.get_rank(), components)

@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from lockstep.env import read_variable
 from lockstep.live import keys
@@ -30,6 +31,7 @@ def live_enabled() -> bool:
 
 
 _received = [False]  # a replacement: set once its state came from a survivor
+_joined = [0]  # the generation whose group this process joined last (0: none)
 
 
 def joining() -> bool:
@@ -55,14 +57,23 @@ def worker_store(timeout: timedelta) -> dist.Store:
 
 
 def join(store: dist.Store, generation: int, rank: int, world_size: int, timeout: timedelta):
-    """Make the default gloo group of `generation` (every member calls this)."""
-    dist.init_process_group(
+    """Make the default gloo group of `generation` (every member calls this).
+
+    torch's function from its own module: in a replacement `torch.distributed`'s name
+    is wrapped to come here (`live/torch_init.py`)."""
+    distributed_c10d.init_process_group(
         "gloo",
         store=dist.PrefixStore(keys.GROUP.format(generation=generation), store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,
     )
+    _joined[0] = generation
+
+
+def joined() -> int:
+    """The generation whose group this process joined last (0: the job's first, or none)."""
+    return _joined[0]
 
 
 def reform(store: dist.Store, generation: int, timeout: timedelta) -> dist.ProcessGroup:

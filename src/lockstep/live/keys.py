@@ -13,7 +13,8 @@ whole-group restart); one per generation names the generation.
   "plain" or "checkpointer";
 - `JOINED` (each rank of a generation, for the launcher): "1" once it is in the new
   group with its state; `GROUP`: the store prefix of the generation's default group;
-- `AT` (each survivor, for the others): "finished-steps inside(0/1)";
+- `AT` (each survivor, for the others and the replacement): where it met the loss,
+  `{"rank", "steps", "within", "point", "reduced"}` (`live/standing.py`);
 - `RNG` (each worker, every synchronised step, before the step's last collective;
   read by the donor): `{"step": finished steps it is as of, "state": its random
   generators}`, in two slots (the parity of that count), so a post for the step under

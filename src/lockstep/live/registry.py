@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_timeout
-from lockstep.live import group, keys, lines, opened, plain
+from lockstep.live import group, keys, lines, plain, standing
 from lockstep.runtime import waits
 from lockstep.runtime.recovery import Point, Position, Where
 
@@ -45,17 +45,24 @@ class Recovery:
         replaced: the ranks started again.
         position: where the donor met the loss (a recovery point, or inside a step).
         opened: a survivor is already at the start of the next step or inside it, past
-            its opening broadcasts, which nobody runs again (`live/opened.py`).
+            its opening broadcasts, which nobody runs again (`live/standing.py`).
+        ahead: the survivors that had finished the step this rank was still in (its
+            last collective): it takes that step's outcome from them and is recovered
+            as after it (empty when none did; never in the donor).
+        between: the collectives between steps those ahead met the loss in, which this
+            rank skips too once its step ends.
     """
 
     replaced: tuple[int, ...]
     position: Position
     opened: bool = False
+    ahead: tuple[int, ...] = ()
+    between: frozenset[Point] = frozenset()
 
     @property
     def within_step(self) -> bool:
         """The survivors finish a step with the replacement (it resumes at that step)."""
-        return self.position.where in (Where.INSIDE, Where.OPENING)
+        return not self.ahead and self.position.where in (Where.INSIDE, Where.OPENING)
 
     @property
     def point(self) -> Point | None:
@@ -139,8 +146,8 @@ def register_engine(engine: LiveEngine) -> None:
     _live.engines.append(engine)
     if _live.pending is not None and len(_live.pending) == len(_live.engines):
         engine.adopt(_live.pending[-1])
-    elif joining() and plain.donor_is_plain(store(), donor := donor_of()):
-        adopt_received(plain.receive(engine.module, donor))  # no restore() will come
+    elif joining() and plain.donor_is_plain(store(), sender := donor()):
+        adopt_received(plain.receive(engine.module, sender))  # no restore() will come
         post_joined()
     declare()
 
@@ -236,12 +243,23 @@ def adopt_received(states: list[dict[str, Any]]) -> None:
         engine.adopt(state)
 
 
-def donor_of(replaced: list[int] | None = None) -> int:
-    """The lowest surviving rank: it sends the state, and posts for the others where rank
-    0 is lost. The one place this rule is written."""
-    if replaced is None:
-        _, replaced = group.read_announcement(store())
+def donor_of(replaced: list[int]) -> int:
+    """The lowest surviving rank: it posts for the others where rank 0 is lost, and it
+    is the donor unless a survivor finished a step the others had not (`donor`)."""
     return min(r for r in range(dist.get_world_size()) if r not in replaced)
+
+
+def donor() -> int:
+    """A replacement: the survivor that sends it the state, read from where the survivors
+    stand (the lowest rank of those furthest ahead, `live/standing.py`)."""
+    _, replaced = group.read_announcement(store())
+    wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
+    stands = standing.read(store(), _live.generation, _survivors(replaced), wait_s)
+    return standing.donor(stands)
+
+
+def _survivors(replaced: list[int]) -> list[int]:
+    return [r for r in range(dist.get_world_size()) if r not in replaced]
 
 
 def rejoin(error: BaseException) -> list[int]:
@@ -264,29 +282,59 @@ def rejoin(error: BaseException) -> list[int]:
     return replaced
 
 
-def hand_over(replaced: list[int], position: Position, save: Any = None) -> Recovery:
+def hand_over(
+    replaced: list[int], position: Position, save: Any = None, reduced: bool = False
+) -> Recovery:
     """Survivors, after `rejoin`: the donor sends the state; then this rank has joined.
 
     Args:
         replaced: what `rejoin` returned.
         position: where this rank met the loss.
         save: an interrupted save the replacement runs again (`live/save.py`).
+        reduced: inside a step, its buckets are reduced (only its fingerprint was out).
+
+    Raises:
+        LockstepError: the survivors stand too far apart to finish together (every
+            survivor raises the same reason, and posts it for the launcher).
     """
     wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
-    recovery = Recovery(tuple(replaced), position)
-    at = opened.opened(store(), _live.generation, steps(), replaced, recovery.within_step, wait_s)
-    recovery = Recovery(recovery.replaced, position, at)
+    within = Recovery(tuple(replaced), position).within_step
+    point = position.point.name if position.point is not None else ""
+    mine = standing.Stand(dist.get_rank(), steps(), within, point, reduced)
+    stands = standing.survey(store(), _live.generation, mine, _survivors(replaced), wait_s)
+    reason = standing.lagging(stands)
+    if reason is not None:
+        refuse(reason)
+        raise lines.fallback(reason)
+    ahead = tuple(standing.ahead(stands, mine))
+    after = standing.furthest(stands)  # the steps this rank counts once recovered
+    at = standing.opened(stands, after, within and not ahead)
+    between = frozenset(standing.taken_between(stands)) if ahead else frozenset()
+    recovery = Recovery(tuple(replaced), position, at, ahead, between)
     server = _live.server or plain.PlainServer(_live.engines)
-    server.serve(donor_of(replaced), recovery, save)
-    if recovery.opened and not recovery.within_step:
-        for engine in _live.engines:
-            engine.skip_opening(rebuilt=False)
-        lines.say(
-            "a peer is already past the start of the next step: its opening broadcasts are "
-            "taken from rank 0's posts"
-        )
+    server.serve(standing.donor(stands), recovery, save)
+    if recovery.opened and not recovery.within_step and not ahead:
+        _skip_openings()
     post_joined()
     return recovery
+
+
+def caught_up(recovery: Recovery) -> None:
+    """A survivor that took its step's outcome from those ahead (`Recovery.ahead`), at
+    that step's end: it skips what they skipped after the step."""
+    for point in recovery.between:
+        take(point, None)
+    if recovery.opened:
+        _skip_openings()
+
+
+def _skip_openings() -> None:
+    for engine in _live.engines:
+        engine.skip_opening(rebuilt=False)
+    lines.say(
+        "a peer is already past the start of the next step: its opening broadcasts are "
+        "taken from rank 0's posts"
+    )
 
 
 def generation() -> int:

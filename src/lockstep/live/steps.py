@@ -5,7 +5,11 @@ wing fills it when an engine is wrapped. Each bucket's local gradients are copie
 when it launches (`launching`), since its all-reduce overwrites them. When a wait of
 the step fails because a rank was lost, `lost` joins the next generation, lets the
 donor hand the state over, and runs the step's fingerprint and buckets again from
-the copies, with the replacement, which resumes at this step.
+the copies, with the replacement, which resumes at this step. With three ranks or
+more a survivor can still be in the step's fingerprint (its buckets reduced) while
+another has finished the step: then nobody runs the step again; this rank takes the
+step's outcome from those ahead, ends the step as they did, and at its end skips
+what they skipped after it (`live/standing.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class LiveSteps:
     def __init__(self, armed: Callable[[], None]) -> None:
         self.kept: dict[int, torch.Tensor] = {}  # by launch position, reused step to step
         self.armed = armed
+        self.caught_up: registry.Recovery | None = None  # a step ended as peers ended it
 
     def launching(self, position: int, bucket: Bucket) -> None:
         """A bucket is about to be launched: copy its local (not yet reduced) gradients;
@@ -61,6 +66,9 @@ class LiveSteps:
     def finished(self) -> None:
         """A synchronised step ended (the random state's and the sampler's copies)."""
         registry.after_step()
+        if self.caught_up is not None:
+            recovery, self.caught_up = self.caught_up, None
+            registry.caught_up(recovery)
 
     def lost(self, driver: BackwardDriver, step: StepState, error: BaseException) -> None:
         """Finish the interrupted step with the new generation, or re-raise `error`."""
@@ -68,15 +76,22 @@ class LiveSteps:
             raise error
         start = time.monotonic()
         replaced = registry.rejoin(error)
-        registry.hand_over(replaced, Position(None, driver.steps + 1))
-        self._relaunch(driver, step)
-        lines.recovered(
-            registry.generation(),
-            replaced,
-            f"inside step {driver.steps + 1}",
-            f"step {driver.steps + 1} finished again",
-            time.monotonic() - start,
-        )
+        step_number = driver.steps + 1
+        position = Position(None, step_number)
+        only_fingerprint = step.reduced and not step.checked
+        recovery = registry.hand_over(replaced, position, reduced=only_fingerprint)
+        if recovery.ahead:  # they passed the fingerprint: it matched, and no rank flagged a
+            driver.fingerprint.settle(0)  # non-finite gradient (that would take a collective)
+            self.caught_up = recovery
+            where = (
+                f"inside step {step_number}, in its fingerprint (its last collective), which "
+                f"rank(s) {list(recovery.ahead)} had finished"
+            )
+            then = f"step {step_number} ended with their outcome, nothing run again"
+        else:
+            self._relaunch(driver, step)
+            where, then = f"inside step {step_number}", f"step {step_number} finished again"
+        lines.recovered(registry.generation(), replaced, where, then, time.monotonic() - start)
 
     def _relaunch(self, driver: BackwardDriver, step: StepState) -> None:
         """The step's buckets and fingerprint again, from the kept local gradients, in the

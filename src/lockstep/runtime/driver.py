@@ -291,7 +291,9 @@ class BackwardDriver:
         for bucket in self.buckets[: step.next_bucket]:  # collected early by a poll, too:
             if bucket.handle is not None:  # gloo marks a failed work completed; wait() raises
                 bucket.handle.wait()
-        self.check_fingerprint(step)
+        step.reduced = True  # a loss met from here on: live recovery may take the outcome
+        self.check_fingerprint(step)  # from a peer that finished the step (`live/steps.py`)
+        step.checked = True
 
 
 def _no_verdict() -> None:

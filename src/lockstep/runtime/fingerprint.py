@@ -122,6 +122,14 @@ class StepFingerprint:
             return
         raise self._mismatch(self._mine)
 
+    def settle(self, flagged: int = 0) -> None:
+        """End the step as a peer that finished its fingerprint saw it, instead of `check`
+        (live recovery: this rank's wait failed after that peer's had ended; the sums
+        matched there, and carried `flagged`)."""
+        self._work = None
+        self.flagged = flagged
+        progress.note(progress.Phase.SYNCHRONISED, self._step)
+
     def _mismatch(self, mine: Fingerprint | None) -> RankMismatchError:
         everyone = gather_from_ranks(mine, self.group)
         per_rank = "; ".join(

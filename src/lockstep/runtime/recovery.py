@@ -179,8 +179,9 @@ def position() -> Position:
 
 
 def recoveries() -> int:
-    """Live recoveries this process took part in at recovery points (the Monitor's check
-    that a report's exchange was not cut short)."""
+    """Live recoveries this process took part in at recovery points, and points it
+    skipped because peers met a loss there (the Monitor's check that a report's
+    exchange was not cut short)."""
     return _recoveries
 
 
@@ -213,12 +214,14 @@ def run(
     Raises:
         RuntimeError: the collective failed and this rank cannot be recovered live.
     """
+    global _recoveries
     with _at(point, step):
         if _recoverer is None:
             _wait(point, step, launch(), group)
             return RAN
         taken = _recoverer.entering(point, step, value)
-        if taken is not None:
+        if taken is not None:  # peers met a loss here before this rank came: counted too
+            _recoveries += 1
             return taken
         try:
             _wait(point, step, launch(), group)

@@ -40,6 +40,8 @@ class StepState:
         next_bucket: index of the next bucket to launch (launches go in index order).
         in_flight: launched buckets whose collective is not yet seen finished, oldest first.
         fingerprint_sent: the step fingerprint (with the non-finite verdict) is out.
+        reduced: the waits saw every launched bucket's collective finish on this rank.
+        checked: the step fingerprint, the step's last collective, finished and matched.
     """
 
     forward_start: float
@@ -54,6 +56,8 @@ class StepState:
     next_bucket: int = 0
     in_flight: deque[Bucket] = field(default_factory=deque)
     fingerprint_sent: bool = False
+    reduced: bool = False
+    checked: bool = False
 
     @classmethod
     def armed(
