@@ -46,7 +46,11 @@ from soak_nodes import read_batches, read_pids
 
 TRAIN = str(Path(__file__).with_name("random_train.py"))
 WORLD_SIZE, SAMPLES, SAMPLES_PER_STEP = 4, 64, 8
-FALLBACK = re.compile(r"live recovery not possible: (.*?)(?:; falling back|, and no whole-group)")
+FALLBACK = re.compile(
+    r"live recovery not possible: (.*?)(?:; falling back|, and no whole-group|; the job ends)"
+)
+# A rank lost after its peers' scripts ended: the job is over, it ends failed, no restart
+ENDED_FAILED = "the job ends failed, with no whole-group restart"
 
 
 def parse_args() -> argparse.Namespace:
@@ -167,14 +171,16 @@ def _sleep_unless_ended(run: Run, seconds: float) -> bool:
 FINAL_PARTS = ("model", "optimizer", "scheduler", "rng", "epoch")
 
 
-def differences(reference: Path, soaked: Path) -> list[str]:
-    """Every part of every rank's final state that differs from the reference's."""
+def differences(reference: Path, soaked: Path, lost: set[int] = frozenset()) -> list[str]:
+    """Every part of every rank's final state that differs from the reference's (the
+    ranks in `lost`, which may have died before writing theirs, only where they did)."""
     problems = []
     for rank in range(WORLD_SIZE):
         try:
             mine = torch.load(soaked / "final" / f"{rank}.pt", weights_only=False)
         except OSError:
-            problems.append(f"rank {rank} wrote no final state")
+            if rank not in lost:
+                problems.append(f"rank {rank} wrote no final state")
             continue
         theirs = torch.load(reference / "final" / f"{rank}.pt", weights_only=False)
         for part in FINAL_PARTS:
@@ -227,14 +233,20 @@ def soak_run(
                     break
     finally:
         code = run.wait(900)
-    problems = [] if code == 0 else [f"the launcher exited {code}"]
+    # a rank lost after the others' scripts ended: failed on purpose (nothing to recover),
+    # every final state written must still be the reference's
+    ended_failed = code != 0 and ENDED_FAILED in run.log() and "falling back" not in run.log()
+    problems = [] if code == 0 or ended_failed else [f"the launcher exited {code}"]
     if code == 0:
         problems += differences(reference, out) + id_problems(out, args.steps)
+    elif ended_failed:
+        problems += differences(reference, out, lost={faults[-1]["rank"]} if faults else set())
     fell_back = "falling back" in run.log()
     return {
         "run": out.name,
         "spares": spares,
         "exit": code,
+        "lost_after_the_end": ended_failed,
         "faults": faults,
         "problems": problems,
         "silent_mismatch": bool(problems) and code == 0 and not fell_back,
@@ -271,6 +283,7 @@ def summarize(runs: list[dict]) -> dict:
     summary["runs"] = len(runs)
     summary["runs_bitwise"] = sum(not r["problems"] for r in runs)
     summary["silent_mismatches"] = sum(r["silent_mismatch"] for r in runs)
+    summary["lost_after_the_end"] = sum(r["lost_after_the_end"] for r in runs)
     summary["problems"] = {r["run"]: r["problems"] for r in runs if r["problems"]}
     return summary
 

@@ -42,7 +42,7 @@ def test_the_comparison_names_a_rank_whose_random_state_alone_differs(tmp_path):
 @pytest.mark.timeout(900)
 def test_five_random_kills_end_bitwise_with_no_silent_mismatch(tmp_path):
     argv = [sys.executable, "soak_one_node.py", "--out", str(tmp_path), "--runs", "1"]
-    argv += ["--stop-runs", "0", "--spares", "1", "--steps", "60", "--seed", "3"]
+    argv += ["--stop-runs", "0", "--spares", "1", "--steps", "100", "--seed", "3"]
     proc = subprocess.run(argv, cwd=SOAK, capture_output=True, text=True, timeout=840)
     report = proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "soak.json").read_text())
