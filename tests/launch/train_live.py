@@ -9,8 +9,10 @@ itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, afte
 the other buckets were launched), "forward", "fingerprint" (every bucket launched,
 before the step fingerprint, its last collective), "end_step" (its buckets reduced, in
 the engine's end-of-step actions), "wrapper" (as the wrapper's forward starts, before
-its own collectives), "optimizer" (before its update) or "close" (after the last
-step STEP, before the Monitor's close).
+its own collectives), "optimizer" (before its update), "stepped" (after its
+update), "close" (after the last step STEP, before the Monitor's close) or "ended"
+(after the last step STEP, once every peer wrote its final state). WHERE+PEER
+("backward+2") SIGKILLs rank PEER's first process just before (two kills at once).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
@@ -82,10 +84,11 @@ def arm_kill(
     where: str,
     when: list[bool],
     ddp: nn.Module | None = None,
+    peer: Path | None = None,
 ) -> None:
     def die(*_: object) -> None:
         if when[0]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_now(peer)
 
     if where == "backward":  # the first layer's gradient comes last: other buckets are out
         model[0].weight.register_hook(lambda grad: die())
@@ -100,6 +103,33 @@ def arm_kill(
         ddp.register_forward_pre_hook(lambda *_: die())
     elif where == "optimizer":  # after the step's collectives, before its update
         optimizer.register_step_pre_hook(lambda *_: die())
+    elif where == "stepped":  # after its update (the peers go on to their --step-sleep)
+        optimizer.register_step_post_hook(lambda *_: die())
+
+
+def kill_now(peer: Path | None = None) -> None:
+    """SIGKILL the process whose pid `peer` holds, if any, then this one: two kills at once."""
+    if peer is not None:
+        os.kill(int(peer.read_text()), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def split_peer(out: Path, where: str) -> tuple[str, Path | None]:
+    """("backward", rank 2's first process's pid file) for "backward+2"; (where, None)."""
+    where, _, peer = where.partition("+")
+    return where, (out / "pids" / f"{peer}.0.0") if peer else None
+
+
+def die_after_last_step(out: Path, where: str, world_size: int) -> None:
+    """ "close": at once; "ended": once every other rank wrote its final state (at most
+    60 s), and 1 s more, while their scripts end."""
+    deadline = time.monotonic() + 60
+    while where == "ended" and time.monotonic() < deadline:
+        if len(list(out.glob("final_rank*.pt"))) >= world_size - 1:
+            time.sleep(1.0)
+            break
+        time.sleep(0.05)
+    kill_now()
 
 
 def wrap(model: nn.Module, engine: str) -> nn.Module:
@@ -138,7 +168,8 @@ def main() -> None:
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
     kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
     armed = [False]
-    arm_kill(model, optimizer, where, armed, ddp)
+    where, peer = split_peer(out, where)
+    arm_kill(model, optimizer, where, armed, ddp, peer)
     monitor = None
     if args.monitor:
         every = {"log_every": 2, "straggler_every": 2}
@@ -166,8 +197,8 @@ def main() -> None:
         with ddp.join():  # type: ignore[operator]
             run(range(start, UNEVEN_STEPS - (ctx.rank == 1)))
     run(range(max(start, UNEVEN_STEPS if args.uneven else 0), args.steps))
-    if where == "close" and armed[0]:  # after the last step, before the Monitor's close
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where in ("close", "ended") and armed[0]:  # after the last step, before the Monitor's
+        die_after_last_step(out, where, ctx.world_size)  # close, or as the peers' scripts end
     if monitor is not None:
         monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
