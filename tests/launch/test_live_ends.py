@@ -97,3 +97,32 @@ def test_two_ranks_killed_at_once_are_replaced_live_in_one_generation(tmp_path):
     assert "not possible" not in log and "restart 1" not in log, log
     assert _processes(out) == ["0.0.0", "1.0.0", "1.1.0", "2.0.0", "2.1.0"], log
     _assert_bitwise(out, oracle, world_size=3)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivors_of_a_live_recovery_exit_promptly(tmp_path):
+    """Three ranks. At step 4 every rank leaves a broadcast on the group that never
+    completes (ranks 0 and 2 each wait for the other: `--strand`), then rank 1 dies
+    inside backward. The survivors re-form the group and finish, but their old group
+    still holds that work, and a gloo group's destructor waits for its work: at exit
+    each survivor waited for the other until the exit watch ended both (`--exit-grace`
+    60 here), and the run still exited 0. Now the group from before the recovery is let
+    go on a thread of its own, a bounded wait: the exit watch ends nobody, the
+    launcher exits within seconds of the scripts' end, bitwise."""
+    oracle = tmp_path / "uninterrupted"
+    _run_ok(oracle, "", 3)
+    out = tmp_path / "killed"
+    script = ("--strand", "3:0,2")
+    launcher = _start(out, "1:3:backward", 3, ("--live-recovery", "--exit-grace", "60"), script)
+    code = launcher.wait(WAIT_S)
+    exited = time.time()
+    log = launcher.log()
+    assert code == 0, log
+    line = "[rank 0]: live recovery: generation 1, rank(s) [1] replaced inside step 4"
+    assert line in log and "not possible" not in log, log  # the precondition: live
+    assert EXIT_WATCH not in log, log
+    last_final = max((out / f"final_rank{rank}.pt").stat().st_mtime for rank in range(3))
+    assert exited - last_final < 40, (exited - last_final, log)  # the watch: 60 s and more
+    _assert_bitwise(out, oracle, world_size=3)

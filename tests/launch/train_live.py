@@ -21,7 +21,8 @@ between steps; `--trace` a trace too, whose files a barrier in `close()` awaits)
 `--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
 BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
 `--uneven` runs the first 3 steps in DDP's Join, rank 1 one step fewer (it shadows
-rank 0's third), and the others after it.
+rank 0's third), and the others after it. `--strand STEP:A,B` leaves, at STEP, one
+broadcast on the default group that never completes in every first process (`strand`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--own-collective", action="store_true")
     parser.add_argument("--batchnorm", action="store_true")
     parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--strand", default="")
     return parser.parse_args()
 
 
@@ -132,6 +134,20 @@ def die_after_last_step(out: Path, where: str, world_size: int) -> None:
     kill_now()
 
 
+def strand(spec: str, step: int, rank: int) -> None:
+    """`--strand STEP:A,B`: at STEP, rank A starts a broadcast from rank B and B one from
+    A, each waiting for the other for ever; any other rank one from itself, which nobody
+    receives (every rank spends one collective, so the next ones still match). Killed in
+    that step, a rank leaves its survivors' group with work that waits on another
+    survivor, as a loss in the middle of a collective can leave it."""
+    at, _, ranks = spec.partition(":")
+    if not spec or step != int(at):
+        return
+    pair = [int(r) for r in ranks.split(",")]
+    source = pair[1 - pair.index(rank)] if rank in pair else rank
+    dist.broadcast(torch.zeros(1), src=source, async_op=True)
+
+
 def wrap(model: nn.Module, engine: str) -> nn.Module:
     if engine == "sharded":
         return lockstep.ShardedDataParallel(model, stage=2)
@@ -166,7 +182,9 @@ def main() -> None:
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"{ctx.rank}.{generation}.{ctx.restart_count}").write_text(str(os.getpid()))
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
-    kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
+    first_process = generation == 0 and ctx.restart_count == 0
+    kill_step, where = planned_kill(ctx.rank, first_process)
+    stranding = args.strand * first_process  # never in a replacement
     armed = [False]
     where, peer = split_peer(out, where)
     arm_kill(model, optimizer, where, armed, ddp, peer)
@@ -179,6 +197,7 @@ def main() -> None:
     def run(steps: range) -> None:
         for step in steps:
             armed[0] = step == kill_step
+            strand(stranding, step, ctx.rank)
             x, y = batch(step, ctx.rank, ctx.world_size)
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
