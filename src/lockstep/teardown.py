@@ -34,7 +34,7 @@ import torch.distributed.nn.functional  # noqa: F401
 
 SETTLE_S = 0.05  # GIL released this long before the groups go: worker threads finish
 _pins: list[Any] = []
-_abandoned: list[Any] = []
+_abandoned: list[Any] = []  # never freed (`abandon`)
 _lock = threading.Lock()
 _on_destroyed: list[Callable[[], None]] = []
 
@@ -104,11 +104,6 @@ def abandon(group: Any) -> None:
         _pins[:] = [pin for pin in _pins if pin is not group]
         _abandoned.append(group)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
-def abandoned() -> int:
-    """How many groups were abandoned (they go with the process)."""
-    return len(_abandoned)
 
 
 def pinned() -> int:

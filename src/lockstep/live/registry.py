@@ -307,6 +307,7 @@ def post_ended() -> None:
         return
     try:
         store().set(keys.ENDED.format(rank=read_variable("RANK") or "0"), "1")
+        store().add(keys.ENDED_COUNT, 1)
     except RuntimeError:  # the store is gone: the job is ending anyway
         return
 

@@ -27,6 +27,8 @@ FINISH_WAIT_S = 30.0  # the longest wait for this node's other workers to end th
 
 def ended(store: dist.Store, world_size: int, here: set[int]) -> set[int]:
     """Global ranks whose script ended well: posted in the store, or seen `here` (this node)."""
+    if not store.add(keys.ENDED_COUNT, 0):  # nobody posted: one call, whatever the world size
+        return set(here)
     posted = {r for r in range(world_size) if store.check([keys.ENDED.format(rank=r)])}
     return posted | here
 
