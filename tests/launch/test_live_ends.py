@@ -46,18 +46,19 @@ def _run_ok(out: Path, kill: str, nproc: int, flags: tuple[str, ...] = ()) -> st
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_lost_after_the_last_step_ends_the_job_at_once_and_is_not_restarted(tmp_path):
-    """Rank 1 SIGKILLed after its last step. "stepped": after its last update, while rank
-    0 still sleeps 3 s in its script (`--step-sleep`): the launcher starts a replacement,
-    which it stops once rank 0's script ended without joining its generation. "ended":
-    once rank 0's script is ending, and no replacement starts. No generation can form
-    with rank 0. Before: the replacement waited LOCKSTEP_TIMEOUT_S (300 s) for rank 0,
-    then the whole group restarted the finished job. Now the job ends within seconds of
-    rank 0's end, failed (rank 1's own end of script, its final save here, did not run),
-    with one line naming rank 1, and no restart although one is allowed."""
+    """Rank 1 SIGKILLed after its last step. "stepped": after its last update; rank 0
+    stays in its script until the launcher started a replacement (`--linger`), which the
+    launcher stops once rank 0's script ended without joining its generation. "ended":
+    once rank 0's script ended (its bootstrap's post), and no replacement starts. No
+    generation can form with rank 0. Before: the replacement waited LOCKSTEP_TIMEOUT_S
+    (300 s) for rank 0, then the whole group restarted the finished job. Now the job
+    ends within seconds of rank 0's end, failed (rank 1's own end of script, its final
+    save here, did not run), with one line naming rank 1, and no restart although one
+    is allowed."""
     flags = ("--live-recovery", "--max-restarts", "1")
-    for where, replaced in (("stepped", True), ("ended", False)):
+    for where, script in (("stepped", ("--linger",)), ("ended", ())):
         out = tmp_path / where
-        launcher = _start(out, f"1:{STEPS - 1}:{where}", 2, flags, ("--step-sleep", "3"))
+        launcher = _start(out, f"1:{STEPS - 1}:{where}", 2, flags, script)
         code = launcher.wait(WAIT_S)
         ended = time.time()
         log = launcher.log()
@@ -67,8 +68,9 @@ def test_a_rank_lost_after_the_last_step_ends_the_job_at_once_and_is_not_restart
         assert "after rank(s) [0] ended their script" in line.group(0), (where, log)
         assert "what rank(s) [1] do after their last collective" in line.group(0), (where, log)
         assert FINISHED in line.group(0), (where, log)
-        stopped = re.search(r"its replacement pid \d+ for generation 1 stopped", line.group(0))
-        assert bool(stopped) == replaced, (where, log)
+        started = re.findall(r"started pid (\d+) as rank 1, generation 1", log)
+        stopped = re.findall(r"its replacement pid (\d+) for generation 1 stopped", log)
+        assert len(started) == (where == "stepped") and stopped == started, (where, log)
         assert "restart 1 of 1" not in log and "falling back" not in log, (where, log)
         assert [p for p in _processes(out) if not p.endswith(".0")] == [], (where, log)
         assert (out / "final_rank0.pt").exists() and not (out / "final_rank1.pt").exists()

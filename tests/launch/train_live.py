@@ -11,7 +11,7 @@ before the step fingerprint, its last collective), "end_step" (its buckets reduc
 the engine's end-of-step actions), "wrapper" (as the wrapper's forward starts, before
 its own collectives), "optimizer" (before its update), "stepped" (after its
 update), "close" (after the last step STEP, before the Monitor's close) or "ended"
-(after the last step STEP, once every peer wrote its final state). WHERE+PEER
+(after the last step STEP, once every peer's script ended). WHERE+PEER
 ("backward+2") SIGKILLs rank PEER's first process just before (two kills at once).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
@@ -22,7 +22,8 @@ between steps; `--trace` a trace too, whose files a barrier in `close()` awaits)
 BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
 `--uneven` runs the first 3 steps in DDP's Join, rank 1 one step fewer (it shadows
 rank 0's third), and the others after it. `--strand STEP:A,B` leaves, at STEP, one
-broadcast on the default group that never completes in every first process (`strand`).
+broadcast on the default group that never completes in every first process (`strand`);
+`--linger` waits after the last step until the launcher started a replacement.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
+from lockstep.live import group as live_group
+from lockstep.live import keys, registry
 
 FEATURES, BATCH = 6, 8
 UNEVEN_STEPS = 3  # `--uneven`: steps 0-2 in DDP's Join, rank 1 running steps 0-1 only
@@ -56,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batchnorm", action="store_true")
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--strand", default="")
+    parser.add_argument("--linger", action="store_true")
     return parser.parse_args()
 
 
@@ -105,7 +109,7 @@ def arm_kill(
         ddp.register_forward_pre_hook(lambda *_: die())
     elif where == "optimizer":  # after the step's collectives, before its update
         optimizer.register_step_pre_hook(lambda *_: die())
-    elif where == "stepped":  # after its update (the peers go on to their --step-sleep)
+    elif where == "stepped":  # after its update, the step's last act
         optimizer.register_step_post_hook(lambda *_: die())
 
 
@@ -122,16 +126,30 @@ def split_peer(out: Path, where: str) -> tuple[str, Path | None]:
     return where, (out / "pids" / f"{peer}.0.0") if peer else None
 
 
-def die_after_last_step(out: Path, where: str, world_size: int) -> None:
-    """ "close": at once; "ended": once every other rank wrote its final state (at most
-    60 s), and 1 s more, while their scripts end."""
-    deadline = time.monotonic() + 60
-    while where == "ended" and time.monotonic() < deadline:
-        if len(list(out.glob("final_rank*.pt"))) >= world_size - 1:
-            time.sleep(1.0)
-            break
+def await_launcher(what: str, rank: int, world_size: int) -> None:
+    """Until the launcher's worker store shows `what` (at most 60 s): "ended", every other
+    rank's script ended (their bootstrap's post); "announced", a generation (a replacement
+    was started)."""
+    store, deadline = registry.store(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if what == "announced" and live_group.read_announcement(store)[0]:
+            return
+        if what == "ended" and all(
+            store.check([keys.ENDED.format(rank=r)]) for r in range(world_size) if r != rank
+        ):
+            return
         time.sleep(0.05)
-    kill_now()
+
+
+def after_last_step(linger: bool, where: str, armed: bool, rank: int, world_size: int) -> None:
+    """The kill points after the last step: "close" dies at once, "ended" once every peer's
+    script ended; `--linger` waits for a replacement to be started before going on."""
+    if armed and where in ("close", "ended"):
+        if where == "ended":
+            await_launcher("ended", rank, world_size)
+        kill_now()
+    if linger:
+        await_launcher("announced", rank, world_size)
 
 
 def strand(spec: str, step: int, rank: int) -> None:
@@ -216,8 +234,7 @@ def main() -> None:
         with ddp.join():  # type: ignore[operator]
             run(range(start, UNEVEN_STEPS - (ctx.rank == 1)))
     run(range(max(start, UNEVEN_STEPS if args.uneven else 0), args.steps))
-    if where in ("close", "ended") and armed[0]:  # after the last step, before the Monitor's
-        die_after_last_step(out, where, ctx.world_size)  # close, or as the peers' scripts end
+    after_last_step(args.linger, where, armed[0], ctx.rank, ctx.world_size)  # before close()
     if monitor is not None:
         monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
