@@ -5,14 +5,17 @@ collective may need the GIL (its work holds Python objects). Freed by torch's C+
 Reducer when a `DistributedDataParallel` dies, the group is destroyed with the GIL
 held: the two threads wait for each other for ever. Freed during interpreter shutdown,
 the worker thread is killed where it waits, and the process aborts. So every group
-is pinned here when torch makes it, and released by `release()` once the script ended.
-The same table tells when a group is destroyed: `on_destroyed` callbacks run then
-(lockstep's threads end with the groups they serve: `runtime/threads.py`).
+is pinned here when torch makes it, and released by `release()` once the script ended,
+unless it was `abandon`ed: a group that may hold work that never ends (the group a live
+recovery replaced) goes with the process instead. The same table tells when a group is
+destroyed: `on_destroyed` callbacks run then (lockstep's threads end with the groups
+they serve: `runtime/threads.py`).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import sys
 import threading
@@ -31,6 +34,7 @@ import torch.distributed.nn.functional  # noqa: F401
 
 SETTLE_S = 0.05  # GIL released this long before the groups go: worker threads finish
 _pins: list[Any] = []
+_abandoned: list[Any] = []  # never freed (`abandon`)
 _lock = threading.Lock()
 _on_destroyed: list[Callable[[], None]] = []
 
@@ -83,6 +87,23 @@ def install() -> None:
         c10d._pg_map = current
         return
     atexit.register(_release_at_exit)
+
+
+def abandon(group: Any) -> None:
+    """Never destroy `group`: it goes with the process, its threads and sockets with it.
+
+    For a group torch no longer uses that may hold work which never ends: the default
+    group a live recovery replaced, whose collectives each survivor left where it met
+    the loss. Two survivors can each have one waiting on the other (a collective one of
+    them left before the other reached it), and gloo's destructor waits for its work:
+    destroyed at exit, each waited for the other until the launcher's exit watch ended
+    both. Its Python handle gets a reference that nothing drops, so not even the
+    interpreter's shutdown frees it. Its threads are C++ threads that never take the GIL.
+    """
+    with _lock:
+        _pins[:] = [pin for pin in _pins if pin is not group]
+        _abandoned.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def pinned() -> int:

@@ -9,8 +9,10 @@ itself at step STEP (`planned_kill`): WHERE is "backward" (inside backward, afte
 the other buckets were launched), "forward", "fingerprint" (every bucket launched,
 before the step fingerprint, its last collective), "end_step" (its buckets reduced, in
 the engine's end-of-step actions), "wrapper" (as the wrapper's forward starts, before
-its own collectives), "optimizer" (before its update) or "close" (after the last
-step STEP, before the Monitor's close).
+its own collectives), "optimizer" (before its update), "stepped" (after its
+update), "close" (after the last step STEP, before the Monitor's close) or "ended"
+(after the last step STEP, once every peer's script ended). WHERE+PEER
+("backward+2") SIGKILLs rank PEER's first process just before (two kills at once).
 Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
 OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
 lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
@@ -19,7 +21,9 @@ between steps; `--trace` a trace too, whose files a barrier in `close()` awaits)
 `--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
 BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
 `--uneven` runs the first 3 steps in DDP's Join, rank 1 one step fewer (it shadows
-rank 0's third), and the others after it.
+rank 0's third), and the others after it. `--strand STEP:A,B` leaves, at STEP, one
+broadcast on the default group that never completes in every first process (`strand`);
+`--linger` waits after the last step until the launcher started a replacement.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
+from lockstep.live import group as live_group
+from lockstep.live import keys, registry
 
 FEATURES, BATCH = 6, 8
 UNEVEN_STEPS = 3  # `--uneven`: steps 0-2 in DDP's Join, rank 1 running steps 0-1 only
@@ -52,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--own-collective", action="store_true")
     parser.add_argument("--batchnorm", action="store_true")
     parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--strand", default="")
+    parser.add_argument("--linger", action="store_true")
     return parser.parse_args()
 
 
@@ -82,10 +90,11 @@ def arm_kill(
     where: str,
     when: list[bool],
     ddp: nn.Module | None = None,
+    peer: Path | None = None,
 ) -> None:
     def die(*_: object) -> None:
         if when[0]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_now(peer)
 
     if where == "backward":  # the first layer's gradient comes last: other buckets are out
         model[0].weight.register_hook(lambda grad: die())
@@ -100,6 +109,61 @@ def arm_kill(
         ddp.register_forward_pre_hook(lambda *_: die())
     elif where == "optimizer":  # after the step's collectives, before its update
         optimizer.register_step_pre_hook(lambda *_: die())
+    elif where == "stepped":  # after its update, the step's last act
+        optimizer.register_step_post_hook(lambda *_: die())
+
+
+def kill_now(peer: Path | None = None) -> None:
+    """SIGKILL the process whose pid `peer` holds, if any, then this one: two kills at once."""
+    if peer is not None:
+        os.kill(int(peer.read_text()), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def split_peer(out: Path, where: str) -> tuple[str, Path | None]:
+    """("backward", rank 2's first process's pid file) for "backward+2"; (where, None)."""
+    where, _, peer = where.partition("+")
+    return where, (out / "pids" / f"{peer}.0.0") if peer else None
+
+
+def await_launcher(what: str, rank: int, world_size: int) -> None:
+    """Until the launcher's worker store shows `what` (at most 60 s): "ended", every other
+    rank's script ended (their bootstrap's post); "announced", a generation (a replacement
+    was started)."""
+    store, deadline = registry.store(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if what == "announced" and live_group.read_announcement(store)[0]:
+            return
+        if what == "ended" and all(
+            store.check([keys.ENDED.format(rank=r)]) for r in range(world_size) if r != rank
+        ):
+            return
+        time.sleep(0.05)
+
+
+def after_last_step(linger: bool, where: str, armed: bool, rank: int, world_size: int) -> None:
+    """The kill points after the last step: "close" dies at once, "ended" once every peer's
+    script ended; `--linger` waits for a replacement to be started before going on."""
+    if armed and where in ("close", "ended"):
+        if where == "ended":
+            await_launcher("ended", rank, world_size)
+        kill_now()
+    if linger:
+        await_launcher("announced", rank, world_size)
+
+
+def strand(spec: str, step: int, rank: int) -> None:
+    """`--strand STEP:A,B`: at STEP, rank A starts a broadcast from rank B and B one from
+    A, each waiting for the other for ever; any other rank one from itself, which nobody
+    receives (every rank spends one collective, so the next ones still match). Killed in
+    that step, a rank leaves its survivors' group with work that waits on another
+    survivor, as a loss in the middle of a collective can leave it."""
+    at, _, ranks = spec.partition(":")
+    if not spec or step != int(at):
+        return
+    pair = [int(r) for r in ranks.split(",")]
+    source = pair[1 - pair.index(rank)] if rank in pair else rank
+    dist.broadcast(torch.zeros(1), src=source, async_op=True)
 
 
 def wrap(model: nn.Module, engine: str) -> nn.Module:
@@ -136,9 +200,12 @@ def main() -> None:
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "pids" / f"{ctx.rank}.{generation}.{ctx.restart_count}").write_text(str(os.getpid()))
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
-    kill_step, where = planned_kill(ctx.rank, generation == 0 and ctx.restart_count == 0)
+    first_process = generation == 0 and ctx.restart_count == 0
+    kill_step, where = planned_kill(ctx.rank, first_process)
+    stranding = args.strand * first_process  # never in a replacement
     armed = [False]
-    arm_kill(model, optimizer, where, armed, ddp)
+    where, peer = split_peer(out, where)
+    arm_kill(model, optimizer, where, armed, ddp, peer)
     monitor = None
     if args.monitor:
         every = {"log_every": 2, "straggler_every": 2}
@@ -148,6 +215,7 @@ def main() -> None:
     def run(steps: range) -> None:
         for step in steps:
             armed[0] = step == kill_step
+            strand(stranding, step, ctx.rank)
             x, y = batch(step, ctx.rank, ctx.world_size)
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
@@ -166,8 +234,7 @@ def main() -> None:
         with ddp.join():  # type: ignore[operator]
             run(range(start, UNEVEN_STEPS - (ctx.rank == 1)))
     run(range(max(start, UNEVEN_STEPS if args.uneven else 0), args.steps))
-    if where == "close" and armed[0]:  # after the last step, before the Monitor's close
-        os.kill(os.getpid(), signal.SIGKILL)
+    after_last_step(args.linger, where, armed[0], ctx.rank, ctx.world_size)  # before close()
     if monitor is not None:
         monitor.close()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}

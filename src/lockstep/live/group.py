@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from lockstep import teardown
 from lockstep.env import read_variable
 from lockstep.live import keys
 
@@ -77,9 +78,16 @@ def joined() -> int:
 
 
 def reform(store: dist.Store, generation: int, timeout: timedelta) -> dist.ProcessGroup:
-    """Destroy this survivor's broken default group and join the one of `generation`."""
+    """Destroy this survivor's broken default group and join the one of `generation`.
+
+    The broken group is abandoned (`lockstep.teardown.abandon`), never freed: it may hold
+    collectives that wait on another survivor for ever, and gloo's destructor would wait
+    for them at exit.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    broken = dist.group.WORLD
     dist.destroy_process_group()
+    teardown.abandon(broken)
     join(store, generation, rank, world_size, timeout)
     return dist.distributed_c10d._get_default_group()
 

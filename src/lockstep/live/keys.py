@@ -22,7 +22,10 @@ whole-group restart); one per generation names the generation.
 - `BUFFERS` (rank 0, every synchronised forward): (step, buffers), what the next
   buffer broadcast carries;
 - `REBUILD` (rank 0, or the donor): rank 0's ready order, for the rebuild's broadcast;
-- `STATEMENT` (each rank, once): its statement about the data, for the agreement.
+- `STATEMENT` (each rank, once): its statement about the data, for the agreement;
+- `ENDED` (each worker's bootstrap, once its script ended well; read by the launchers):
+  "1", so a rank lost after it is not replaced (`launch/recovery/finished.py`); and
+  `ENDED_COUNT`, how many did, which a launcher reads first (one call, not one a rank).
 
 A lost node's place (`launch/recovery/nodes.py`, `rejoin.py`) is negotiated in the
 rendezvous store instead, sealed, in the round (names relative to the round):
@@ -48,6 +51,8 @@ RNG = PREFIX + "rng/{rank}/{parity}"  # parity of the finished steps it is as of
 BUFFERS = PREFIX + "buffers0/{parity}"  # two steps kept: the parity of the step
 REBUILD = "rebuild_order"  # per round (`in_round`): one rebuild per process lifetime
 STATEMENT = "data_statement/{rank}"  # per round
+ENDED = PREFIX + "ended/{rank}"
+ENDED_COUNT = PREFIX + "ended/count"
 REJOIN_INVITE = "rejoin/{node}"
 REJOIN_REQUEST = "rejoin/{node}/request"
 REJOIN_TAKEN = "rejoin/{node}/{serial}/taken"

@@ -7,7 +7,9 @@ A worker that recovered says so on its stderr, in one line:
 
 A worker that cannot recover raises `fallback(reason)`, and the launcher logs
 `not_possible(reason)`: both end with the same words, so a log search for
-"falling back to the whole-group restart" finds every fallback with its reason.
+"falling back to the whole-group restart" finds every fallback with its reason. A
+loss after the peers' scripts ended is no fallback: the job is over, and
+`finished(reason)` says it ends failed without a restart.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ RESTART = "from the last checkpoint (--max-restarts)"
 NO_RESTART_LEFT = (
     "no whole-group restart is left (--max-restarts): the job ends; start every node again "
     "with the same arguments to resume from the last checkpoint"
+)
+
+
+FINISHED = (
+    "the job ends failed, with no whole-group restart (that would train the finished job "
+    "again from its last checkpoint)"
 )
 
 
@@ -50,3 +58,8 @@ def not_possible(reason: str, restarts_left: bool = True) -> str:
     if not restarts_left:
         return f"live recovery not possible: {reason}, and {NO_RESTART_LEFT}"
     return f"live recovery not possible: {reason}; {FALLBACK} {RESTART}"
+
+
+def finished(reason: str) -> str:
+    """The launcher's line for a loss after the peers' scripts ended (nothing to recover)."""
+    return f"live recovery not possible: {reason}; {FINISHED}"

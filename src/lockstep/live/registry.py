@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lockstep.env import read_seconds, read_timeout
+from lockstep.env import read_seconds, read_timeout, read_variable
 from lockstep.live import group, keys, lines, plain, standing
 from lockstep.runtime import waits
 from lockstep.runtime.recovery import Point, Position, Where
@@ -345,6 +345,19 @@ def post_joined() -> None:
     """Tell the launcher this rank is in the new generation with its state."""
     key = keys.JOINED.format(generation=_live.generation, rank=dist.get_rank())
     store().set(key, "1")
+
+
+def post_ended() -> None:
+    """This rank's script ended well (its bootstrap says so): a launcher that loses a peer
+    after this replaces nobody, since no generation can form with this rank any more
+    (`launch/recovery/finished.py`). The launcher of this node also sees the exit."""
+    if not enabled():
+        return
+    try:
+        store().set(keys.ENDED.format(rank=read_variable("RANK") or "0"), "1")
+        store().add(keys.ENDED_COUNT, 1)
+    except RuntimeError:  # the store is gone: the job is ending anyway
+        return
 
 
 def announced() -> None:

@@ -8,6 +8,8 @@ place (`check`), and, where it looks for silent nodes, which of them end the rou
 | module | concept |
 |---|---|
 | `replacer.py` | a lost worker replaced in place, one generation at a time |
+| `settle.py` | deaths that come together (two SIGKILLs at once) claimed as one loss |
+| `finished.py` | a loss after the peers' scripts ended: the job ends, never restarted |
 | `generations.py` | generation numbers claimed once for the whole job (compare-and-set) |
 | `spares.py`, `standby.py` | standby workers (`--spares K`) that take a rank at once |
 | `nodes.py` | node 0's wait for a lost node (`--rejoin-timeout`) |
@@ -79,9 +81,14 @@ class LiveRecovery:
         self.replacer.close()
 
     def check(self, agent: LockstepAgent) -> bool:
-        """Before torch's poll: True when a lost worker was replaced in place."""
+        """Before torch's poll: True when a lost worker was replaced in place, or while
+        the other workers end their script after a loss that ends the job (then no
+        whole-group restart is left: the job had finished, `finished.py`)."""
         context = agent.workers_context
-        return context is not None and self.replacer.check(context, agent.worker_group)
+        replaced = context is not None and self.replacer.check(context, agent.worker_group)
+        if self.replacer.finish is not None:
+            agent.remaining_restarts = 0
+        return replaced
 
     def explain(self, agent: LockstepAgent) -> None:
         """torch's poll found a failure: log, once, why it is not recovered live."""

@@ -56,6 +56,11 @@ def _current(store: dist.Store) -> bytes:
     return store.get(keys.GENERATION) if store.check([keys.GENERATION]) else b""
 
 
+def announced(store: dist.Store) -> tuple[int, list[int]]:
+    """(the announced generation, its replaced ranks); (0, []) before any."""
+    return _parse(_current(store))
+
+
 def claim_refusal(store: dist.Store, world_size: int) -> str | None:
     """Why no generation can be claimed now (the last one is still forming), or None."""
     generation, before = _parse(_current(store))

@@ -8,8 +8,10 @@ replaced in place: its generation is claimed and announced in the store, where t
 survivors wait for it (`generations.claim`, one number for the whole job), and a new
 process starts with the same rank, arguments and environment plus that generation
 (with `--spares K`, an idle standby process takes the rank instead: `launch/recovery/spares.py`).
-Anything else is left to torch's poll, that is today's whole-group restart, and the
-reason is logged in one line.
+Deaths that come together are claimed together (`settle.py`); a rank lost after its
+peers' scripts ended is not replaced, and the job ends without a restart
+(`finished.py`). Anything else is left to torch's poll, that is today's whole-group
+restart, and the reason is logged in one line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from lockstep.launch.diagnostics.report import scripts_collective
-from lockstep.launch.recovery import generations
+from lockstep.launch.recovery import finished, generations
+from lockstep.launch.recovery.settle import settle
 from lockstep.launch.recovery.spares import SparePool, start_worker
 from lockstep.launch.watches.exits import ExitWatch
 from lockstep.live import group as live_group
@@ -65,12 +68,24 @@ def _scripts_collective(pcontext: Any, group: WorkerGroup, failed: dict[int, int
     return ""
 
 
+def _joined_key(generation: int, rank: int) -> str:
+    return keys.JOINED.format(generation=generation, rank=rank)
+
+
+def _running(pcontext: Any) -> Any:
+    """A call that returns local rank -> pid of each worker still running."""
+    handlers = pcontext.subprocess_handlers
+    return lambda: {lr: h.proc.pid for lr, h in handlers.items() if h.proc.poll() is None}
+
+
 class LiveReplacer:
     """This node's live replacements, one generation at a time.
 
     Attributes:
         generation: the last generation announced in this rendezvous round.
         recoveries: (generation, seconds from the death seen to every rank joined).
+        finish: set once a rank was lost after its peers' scripts ended: the job ends
+            failed, with no restart (`finished.py`).
     """
 
     def __init__(self, spares: SparePool | None = None, exits: ExitWatch | None = None) -> None:
@@ -78,8 +93,10 @@ class LiveReplacer:
         self.exits = exits  # which workers' scripts ended (`launch/watches/exits.py`)
         self.generation = 0
         self.recoveries: list[tuple[int, float]] = []
+        self.finish: finished.Finish | None = None
         self._store: dist.Store | None = None
         self._pending: tuple[int, float] | None = None  # generation in recovery, since when
+        self._started: dict[int, str] = {}  # local rank -> its loss, replaced in _pending
         self._unreachable = False  # the worker store stopped answering (logged once)
         self._refused = False  # this round falls back: its reason is logged (once)
 
@@ -87,6 +104,7 @@ class LiveReplacer:
         """A new rendezvous round (a whole-group restart): a new worker store, generation 0."""
         self.generation, self._store, self._pending = 0, None, None
         self._unreachable = self._refused = False
+        self.finish, self._started = None, {}
 
     def check(self, pcontext: Any, worker_group: WorkerGroup) -> bool:
         """Replace failed workers live when possible; otherwise leave them to torch's poll.
@@ -139,8 +157,14 @@ class LiveReplacer:
         self._check_joined(worker_group, world_size)
         if self.spares is not None:
             self.spares.refill(recovering=self._pending is not None)
+        if self.finish is None and not self._refused and (failed or self._pending):
+            self._check_finished(pcontext, worker_group, failed)
+        if self.finish is not None:
+            return self.finish.holding(pcontext)
         if not failed or self._refused:
             return False
+        if self._pending is None:  # a death that comes with this one is claimed with it
+            failed = settle(lambda: self._failed(pcontext, worker_group), _running(pcontext))
         reason = self._refusal(pcontext, failed, worker_group)
         if reason is not None:
             self._refuse(reason)
@@ -176,6 +200,61 @@ class LiveReplacer:
             return "no worker survived to hand the state over"
         return None
 
+    def _check_finished(self, pcontext: Any, group: WorkerGroup, failed: dict[int, int]) -> None:
+        """A rank lost after a peer's script ended: nothing to recover (`finished.py`).
+
+        Decided once: either before a claim (a rank killed, a peer's script ended), or
+        while generation g forms and a peer ends its script without having joined g
+        (it never will): then g's replacements on this node are stopped.
+        """
+        store = self._worker_store(group)
+        here = {w.global_rank for w in group.workers if self._script_ended(pcontext, w)}
+        peers = finished.ended(store, group.workers[0].world_size, here)
+        if self._pending is not None:
+            generation = self._pending[0]
+            peers = {r for r in peers if not store.check([_joined_key(generation, r)])}
+            if not peers:
+                return
+            ranks = generations.announced(store)[1]
+            lost = self._stop_replacements(pcontext, generation)
+        else:
+            signalled = {lr: code for lr, code in failed.items() if code < 0}
+            if not peers or not signalled:
+                return  # no peer ended, or an error of the script (the usual fallback)
+            ranks = [group.workers[lr].global_rank for lr in sorted(signalled)]
+            lost = "; ".join(
+                self._loss(group, pcontext, lr, code) for lr, code in signalled.items()
+            )
+        self.finish = finished.Finish(ranks, finished.reason(lost, ranks, peers - set(ranks)))
+        self._refused = True
+        log.warning("%s", self.finish.line)
+
+    def _script_ended(self, pcontext: Any, worker: Any) -> bool:
+        """Whether this node's `worker` ended its script well (its note, or its exit code 0)."""
+        if self.exits is not None and self.exits.script_ended(worker):
+            return True
+        handler = pcontext.subprocess_handlers.get(worker.local_rank)
+        return handler is not None and handler.proc.poll() == 0
+
+    @staticmethod
+    def _loss(group: WorkerGroup, pcontext: Any, local_rank: int, code: int) -> str:
+        """'rank 1 (pid 812) killed by SIGKILL'."""
+        pid = pcontext.subprocess_handlers[local_rank].proc.pid
+        return f"rank {group.workers[local_rank].global_rank} (pid {pid}) {_describe_exit(code)}"
+
+    def _stop_replacements(self, pcontext: Any, generation: int) -> str:
+        """SIGKILL this node's replacements for `generation`; returns what was lost."""
+        stopped = []
+        for local_rank, loss in sorted(self._started.items()):
+            handler = pcontext.subprocess_handlers[local_rank]
+            if handler.proc.poll() is None:
+                handler.proc.kill()
+            stopped.append(
+                f"{loss} (its replacement pid {handler.proc.pid} for generation {generation} "
+                "stopped: the peers it waited for had ended)"
+            )
+        return "; ".join(stopped) or f"rank(s) replaced in generation {generation}"
+
     def _declared_refusal(self, group: WorkerGroup, world_size: int) -> str | None:
         """The first reason a rank posted for not being recoverable, or None."""
         return generations.declared_refusal(self._worker_store(group), world_size)
@@ -190,8 +269,10 @@ class LiveReplacer:
     ) -> None:
         """Start the failed ranks again in `generation`, which `generations.claim` announced."""
         self.generation = generation
+        self._started = {}
         for local_rank, code in sorted(failed.items()):
             old = pcontext.subprocess_handlers[local_rank]
+            self._started[local_rank] = self._loss(group, pcontext, local_rank, code)
             env = {
                 **pcontext.envs[local_rank],
                 live_group.GENERATION_VARIABLE: str(self.generation),
@@ -220,12 +301,12 @@ class LiveReplacer:
         if self._pending is None:
             return
         generation, since = self._pending
-        joined = [keys.JOINED.format(generation=generation, rank=r) for r in range(world_size)]
+        joined = [_joined_key(generation, r) for r in range(world_size)]
         if not self._worker_store(group).check(joined):
             return
         seconds = time.monotonic() - since
         self.recoveries.append((generation, seconds))
-        self._pending = None
+        self._pending, self._started = None, {}
         log.warning(
             "live recovery: generation %d formed %.2f s after the replacement started; "
             "no worker restarted",

@@ -144,7 +144,17 @@ def _leave_groups() -> None:
     from lockstep.teardown import release
 
     note_script_ended()
+    _tell_live_launchers()
     release()
+
+
+def _tell_live_launchers() -> None:
+    """Under `--live-recovery`, post that this rank's script ended: a peer lost after
+    this is not replaced (`lockstep.launch.recovery.finished`). Only where the script
+    imported lockstep: a script without it is not recoverable live anyway."""
+    registry = sys.modules.get("lockstep.live.registry")
+    if registry is not None:
+        registry.post_ended()
 
 
 def _exit_now(code: int) -> None:
