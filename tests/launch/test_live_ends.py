@@ -83,10 +83,13 @@ def test_a_rank_lost_after_the_last_step_ends_the_job_at_once_and_is_not_restart
 @pytest.mark.timeout(600)
 def test_two_ranks_killed_at_once_are_replaced_live_in_one_generation(tmp_path):
     """Three ranks; inside backward of step 4, rank 1 SIGKILLs rank 2 and then itself,
-    microseconds apart. Before: the launcher saw one death, claimed generation 1 for it
-    alone, saw the other one watch interval later and fell back ("rank(s) [2] failed
-    during the live recovery of generation 1"). Now the deaths are claimed together:
-    rank 0 hands the state to both replacements, bitwise."""
+    microseconds apart; rank 1 holds 512 MB more, so its exit outlasts rank 2's by some
+    0.3 s (as a bigger rank's would): the launcher's look finds rank 2 gone and rank 1
+    still exiting. Before: the launcher claimed generation 1 for rank 2 alone, saw rank
+    1's death one watch interval later and fell back ("rank(s) [1] failed during the
+    live recovery of generation 1"); with two equal exits it did so whenever one
+    outlasted the other past a look. Now a worker still dying is waited for and the
+    deaths are claimed together: rank 0 hands the state to both replacements, bitwise."""
     oracle = tmp_path / "uninterrupted"
     _run_ok(oracle, "", 3)
     out = tmp_path / "killed"

@@ -15,7 +15,7 @@ end of script did not run (why failed and not 0: docs/design/live-recovery.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -62,10 +62,7 @@ class Finish:
 
     ranks: list[int]
     line: str
-    deadline: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + FINISH_WAIT_S
+    deadline: float = field(default_factory=lambda: time.monotonic() + FINISH_WAIT_S)
 
     def holding(self, pcontext: Any) -> bool:
         """True while a worker of this node still runs and the wait is not over."""
