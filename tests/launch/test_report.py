@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from lockstep.launch.diagnostics.report import cause_line, summarize
+from lockstep.launch.rendezvous.claims import NodeInfo, duplicate_message
 from lockstep.launch.rendezvous.netif import route_to
-from lockstep.launch.rendezvous.rounds import NodeInfo, _duplicate_message
 from lockstep.launch.supervise.group import NodeReport, WorkerFailure, first_failure
 
 RESET = "RuntimeError: Read error [10.0.0.2]:1234: Connection reset by peer."
@@ -61,7 +61,7 @@ def test_report_survives_the_store_round_trip():
 
 
 def test_two_nodes_with_one_node_rank_are_named():
-    message = _duplicate_message(NodeInfo(1, "h1", "a1"), NodeInfo(1, "h2", "a2"), 3)
+    message = duplicate_message(NodeInfo(1, "h1", "a1"), NodeInfo(1, "h2", "a2"), 3)
     assert "two nodes were started with --node-rank 1: h1 (a1) and h2 (a2)" in message
     assert "0..2 exactly once" in message
 

@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from lockstep.launch.rendezvous.secret import SECRET_VARIABLE, SecretError, Signer, load_secret
+from lockstep.launch.rendezvous.secret import (
+    SECRET_VARIABLE,
+    Opened,
+    Seal,
+    SecretError,
+    Signer,
+    load_secret,
+)
 from lockstep.launch.rendezvous.store import BoundedStore, StoreUnreachable, host
 from lockstep.launch.supervise import scratch
 
@@ -78,3 +85,16 @@ def test_sweep_removes_only_folders_of_launchers_that_are_gone(tmp_path):
         folder.mkdir()
     assert scratch.sweep(tmp_path) == [gone]
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+def test_a_value_sealed_with_another_secret_is_told_from_a_forgery_or_a_replay():
+    ours, theirs = Signer(b"a-secret-of-enough-length"), Signer(b"another-secret-of-length")
+    assert ours.fingerprint != theirs.fingerprint and len(ours.fingerprint) == 16
+    other = ours.inspect("lockstep/r0/node/1", theirs.seal("lockstep/r0/node/1", 1))
+    assert other == Opened(Seal.OTHER_SECRET, None, theirs.fingerprint)
+    replayed = ours.inspect("lockstep/job-b/r0/node/1", ours.seal("lockstep/job-a/r0/node/1", 1))
+    assert replayed.seal is Seal.NOT_OURS and replayed.value is None
+    assert ours.inspect("k", ours.seal("k", [1])) == Opened(Seal.OPEN, [1], ours.fingerprint)
+    assert ours.inspect("k", None).seal is Seal.ABSENT
+    for junk in (b"\x80\x04junk", "[1, 2]", '{"v": 1}', '{"v": "1", "mac": "0"}'):
+        assert ours.inspect("k", junk).seal in (Seal.MALFORMED, Seal.NOT_OURS), junk

@@ -15,6 +15,8 @@ import hmac
 import json
 import os
 import secrets
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from lockstep.errors import LockstepError
 
 SECRET_VARIABLE = "LOCKSTEP_JOB_SECRET"
 MIN_SECRET_CHARS = 16
+FINGERPRINT_TEXT = b"lockstep job secret fingerprint"
 
 
 class SecretError(LockstepError):
@@ -65,11 +68,36 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
     return text.encode()
 
 
+class Seal(Enum):
+    """What a value read from the store turned out to be."""
+
+    ABSENT = "absent"
+    OPEN = "sealed for this key with the job's secret"
+    OTHER_SECRET = "sealed with another secret"
+    NOT_OURS = "sealed for another key, job or round, or forged"
+    MALFORMED = "not a sealed value"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A value read from the store: its seal, its value (OPEN only), its secret's fingerprint."""
+
+    seal: Seal
+    value: Any = None
+    fingerprint: str = ""
+
+
 class Signer:
-    """Seals values with the job's secret, and opens only those it sealed."""
+    """Seals values with the job's secret, and opens only those it sealed.
+
+    Every sealed value also carries the secret's fingerprint (an HMAC of a constant:
+    it tells secrets apart without revealing them), so a node whose secret differs
+    is named as such instead of looking like a node that never wrote.
+    """
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
+        self.fingerprint = hmac.new(secret, FINGERPRINT_TEXT, hashlib.sha256).hexdigest()[:16]
 
     def _mac(self, key: str, text: str) -> str:
         message = key.encode() + b"\0" + text.encode()
@@ -78,19 +106,26 @@ class Signer:
     def seal(self, key: str, value: Any) -> str:
         """`value` as JSON, with the HMAC of (key, JSON): the value to store under `key`."""
         text = json.dumps(value, sort_keys=True)
-        return json.dumps({"v": text, "mac": self._mac(key, text)})
+        return json.dumps({"v": text, "mac": self._mac(key, text), "id": self.fingerprint})
 
     def open(self, key: str, stored: str | bytes | None) -> Any | None:
         """The value sealed under `key`; None when absent, malformed or not sealed by us."""
+        return self.inspect(key, stored).value
+
+    def inspect(self, key: str, stored: str | bytes | None) -> Opened:
+        """What `stored` (read under `key`) is: our sealed value, or why it is not one."""
         if not stored:
-            return None
+            return Opened(Seal.ABSENT)
         try:
             outer = json.loads(stored)
             text, mac = outer["v"], outer["mac"]
             if not (isinstance(text, str) and isinstance(mac, str)):
-                return None
-            if not hmac.compare_digest(mac, self._mac(key, text)):
-                return None
-            return json.loads(text)
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
-            return None
+                return Opened(Seal.MALFORMED)
+            if hmac.compare_digest(mac, self._mac(key, text)):
+                return Opened(Seal.OPEN, json.loads(text), self.fingerprint)
+            theirs = outer.get("id")
+            if isinstance(theirs, str) and theirs != self.fingerprint:
+                return Opened(Seal.OTHER_SECRET, None, theirs[:16])
+            return Opened(Seal.NOT_OURS, None, self.fingerprint)
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            return Opened(Seal.MALFORMED)

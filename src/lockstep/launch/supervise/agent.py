@@ -22,7 +22,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.launch.diagnostics.report import describe, restart_line
 from lockstep.launch.recovery import LiveRecovery
-from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeRankRendezvousError
+from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
 from lockstep.launch.watches.exits import ExitWatch
@@ -219,9 +219,7 @@ class LockstepAgent(LocalElasticAgent):
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""
-        aborted = self.rendezvous.take("abort")  # a late node claimed a rank already held
-        if isinstance(aborted, str):
-            raise NodeRankRendezvousError(aborted)
+        self.rendezvous.watch()  # a late node claimed a rank already held: it raises
         if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
