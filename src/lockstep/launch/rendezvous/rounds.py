@@ -201,7 +201,10 @@ class LockstepRendezvous(RendezvousHandler):
         key = self._open_key()
         stored = self.store.read(key)
         if self._open_sealed and (stored or b"").decode(errors="replace") != self._open_sealed:
-            self.foreign.note(key, self.signer.inspect(key, stored))
+            found = self.signer.inspect(key, stored)
+            if found.seal is Seal.OPEN:  # sealed with this secret, but not this launch's round
+                found = Opened(Seal.NOT_OURS, None, found.fingerprint)
+            self.foreign.note(key, found)
             self.store.call("set", key, self._open_sealed)
 
     def _claim(self) -> bool:
