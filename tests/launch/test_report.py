@@ -70,3 +70,20 @@ def test_route_to_loopback_uses_lo():
     route = route_to("127.0.0.1")
     assert (route.local_addr, route.interface) == ("127.0.0.1", "lo")
     assert route_to("127.0.0.1", local_addr="127.0.0.2").local_addr == "127.0.0.2"
+
+
+def test_a_rank_that_left_early_comes_after_real_errors_and_before_echoes():
+    message = "its script ended (sys.exit(0), or a return) while other ranks were still running"
+    left = _failure(1, 1, "exit code 0", message, detected=1.0)
+    echo = _failure(0, 0, "exit code 1", RESET, detected=0.5)
+    error = _failure(2, 0, "exit code 1", "ValueError: loss is nan", detected=2.0)
+    reports = {
+        0: NodeReport(0, "h0", "a0", "workers failed", [echo]),
+        1: NodeReport(1, "h1", "a1", "x", [left]),
+    }
+    assert first_failure(reports) == left
+    reports[0] = NodeReport(0, "h0", "a0", "workers failed", [echo, error])
+    assert first_failure(reports) == error
+    assert "rank 1 (node 1, host1, local rank 1, pid 101): exit code 0: its script" in summarize(
+        {1: reports[1]}, 2, 0
+    )

@@ -25,7 +25,7 @@ from lockstep.launch.recovery import LiveRecovery
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
-from lockstep.launch.watches.exits import ExitWatch
+from lockstep.launch.watches.exits import ExitWatch, ended_path
 from lockstep.launch.watches.stall import StallWatch
 from lockstep.launch.watches.watchdog import Watchdog
 
@@ -76,6 +76,7 @@ class LockstepAgent(LocalElasticAgent):
         self._grace_s = grace_s
         self._silence_s = silence_s
         self._posted = False
+        self._done_since: float | None = None
         self.store_lost = False
         self.reports: dict[int, group.NodeReport] = {}
         self._beats: dict[int, tuple[int, float]] = {}
@@ -111,7 +112,8 @@ class LockstepAgent(LocalElasticAgent):
         self._remaining_restarts = count
 
     def _beat(self) -> None:
-        """Post a sealed, ever-growing count: a stranger can neither fake nor replay it."""
+        """Post a sealed, ever-growing count under this job's and round's key: a stranger
+        can neither fake it nor replay one of another job or round."""
         key = group.ALIVE_KEY.format(node=self.node_rank)
         beat = 0
         while not self._stop_beating.wait(BEAT_S):
@@ -134,6 +136,7 @@ class LockstepAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
         self._posted = False
+        self._done_since = None
         self.reports = {}
         self._beats = {}
         if self._stalls is not None:
@@ -192,20 +195,66 @@ class LockstepAgent(LocalElasticAgent):
             if self.recovery is not None:
                 self.recovery.explain(self)
             host = self.rendezvous.me.host
+            early = self._early_exits(worker_group)  # stopped in their teardown, if at all
             failures = [
-                describe(rank, failure, self.node_rank, host)
+                early.pop(rank, None) or describe(rank, failure, self.node_rank, host)
                 for rank, failure in sorted(result.failures.items())
             ]
-            self._end_round("workers failed", failures)
+            self._end_round("workers failed", failures + list(early.values()))
         elif result.state == WorkerState.HEALTHY:
             cause = self._peer_trouble(worker_group)
             if cause:
-                self._end_round(cause, [])
+                self._end_round(cause, list(self._early_exits(worker_group).values()))
                 return RunResult(state=WorkerState.FAILED)
             waiting = self.recovery is not None and self.recovery.waiting
             if self._stalls is not None and not waiting:
                 return self._check_stall(worker_group, result)
+        elif result.state == WorkerState.SUCCEEDED and self.rendezvous.nnodes > 1:
+            return self._finished(worker_group, result)
         return result
+
+    def _finished(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """This node's workers all succeeded: keep watching until every node's did.
+
+        A rank that leaves early (`sys.exit(0)`) may be a node's only worker: its node
+        would otherwise wait at torch's exit barrier while its peers fail with the echo
+        ("Connection closed by peer"), and no report would name it. Here a peer's report
+        (or silence) ends the round with this node's finished workers in the report.
+        """
+        if self._done_since is None:
+            self.rendezvous.put(group.DONE_KEY.format(node=self.node_rank), True)
+            self._done_since = time.monotonic()
+        waited = time.monotonic() - self._done_since
+        if waited > self._exit_barrier_timeout or group.all_done(
+            self.rendezvous, self.rendezvous.nnodes
+        ):
+            return result
+        cause = self._peer_trouble(worker_group)
+        if not cause:
+            return RunResult(state=WorkerState.HEALTHY)
+        self._end_round(cause, list(self._early_exits(worker_group).values()))
+        return RunResult(state=WorkerState.FAILED)
+
+    def _early_exits(self, worker_group: WorkerGroup) -> dict[int, group.WorkerFailure]:
+        """This node's workers whose script ended well (the bootstrap's note), by rank."""
+        if self._exits is None:
+            return {}
+        found = {}
+        for worker in worker_group.workers:
+            note = ended_path(self._exits.directory, worker.local_rank)
+            if not note.exists():
+                continue
+            found[worker.global_rank] = group.WorkerFailure(
+                rank=worker.global_rank,
+                local_rank=worker.local_rank,
+                node_rank=self.node_rank,
+                host=self.rendezvous.me.host,
+                pid=worker.id or 0,
+                how=group.LEFT_EARLY,
+                message=group.EARLY_MESSAGE,
+                detected=note.stat().st_mtime,
+            )
+        return found
 
     def _check_stall(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         """End the round when the workers stopped progressing (`lockstep.launch.watches.stall`)."""
