@@ -19,7 +19,7 @@ import pytest
 import torch
 from launchkit import MASTER_PORT, TRAIN, Launcher, final_params, node_args, wait_all, wait_for
 
-from lockstep.testing.netns import Host, NetnsUnavailable, lan
+from lockstep.testing.netns import Host
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 STEPS = 4  # as the session's `lockstep_run_reference`
@@ -60,15 +60,6 @@ while not os.path.exists(f"{out}/final.pt") and time.monotonic() < deadline:
     time.sleep(0.2)
 print(json.dumps(done), flush=True)
 """
-
-
-@pytest.fixture
-def hosts3(netns_ready):
-    try:
-        with lan(3) as hosts:
-            yield hosts
-    except NetnsUnavailable as error:
-        pytest.skip(f"network namespaces unavailable: {error}")
 
 
 def _listeners(host: Host) -> list[str]:

@@ -66,3 +66,9 @@ def duplicate_message(first: NodeInfo, second: NodeInfo, nnodes: int) -> str:
         f"({first.addr}) and {second.host} ({second.addr}); expected each of "
         f"0..{nnodes - 1} exactly once. Fix the --node-rank of one of them."
     )
+
+
+def next_round(claim: Any) -> int:
+    """The round a claimant would take next in this job (0 for a claim without one)."""
+    later = claim.get("next_round") if isinstance(claim, dict) else None
+    return later if isinstance(later, int) and not isinstance(later, bool) else 0

@@ -33,6 +33,7 @@ from lockstep.launch.rendezvous.claims import (
     NodeRankRendezvousError,
     describe,
     duplicate_message,
+    next_round,
     node_of,
     round_of,
 )
@@ -83,6 +84,7 @@ class LockstepRendezvous(RendezvousHandler):
         self.nonce = secrets.token_hex(16)
         self.job = secrets.token_hex(8) if me.node_rank == 0 else ""
         self.foreign = ForeignValues()
+        self._seen_keys: set[str] = set()  # keys read present: one absent later was deleted
         self._formed: tuple[str, int] = ("", -1)  # the last round this node took part in
         self._said_hello = 0.0
         self._watched = 0.0
@@ -109,6 +111,10 @@ class LockstepRendezvous(RendezvousHandler):
 
     def _inspect(self, key: str) -> Opened:
         opened = self.signer.inspect(key, self.store.read(key))
+        if opened.seal is not Seal.ABSENT:
+            self._seen_keys.add(key)
+        elif key in self._seen_keys:  # it was there: someone deleted it
+            self.foreign.note(key, Opened(Seal.DELETED))
         self.foreign.note(key, opened)
         return opened
 
@@ -214,11 +220,15 @@ class LockstepRendezvous(RendezvousHandler):
         one --node-rank end the job; a round replayed from another job never answers.
         """
         key = self.key(f"node/{self.me.node_rank}")
-        mine = self.signer.seal(key, {**asdict(self.me), "nonce": self.nonce})
+        claim = {**asdict(self.me), "nonce": self.nonce, "next_round": self._formed[1] + 1}
+        mine = self.signer.seal(key, claim)
         current = self.store.call("compare_set", key, "", mine)
         if current.decode(errors="replace") == mine:
             return True
         other = self.signer.inspect(key, current)
+        held = node_of(other.value)
+        if held is not None and held[1] == self.nonce:  # ours (`rejoin.py` wrote it)
+            return True
         if other.seal is not Seal.OPEN:  # not sealed for this round: a stranger wrote it
             self.foreign.note(key, other)
             log.warning("ignored a claim of node %d not sealed for this round", self.me.node_rank)
@@ -288,7 +298,7 @@ class LockstepRendezvous(RendezvousHandler):
         self.nodes = {n: claim[0] for n, claim in claims.items() if claim is not None}
         return True
 
-    def _gather_claims(self) -> bool | None:
+    def _gather_claims(self) -> bool | str | None:
         """Node 0: once every node claimed, echo every claim (and nonce) under `start`."""
         self.keep_open()
         self.judge_contests()
@@ -299,6 +309,17 @@ class LockstepRendezvous(RendezvousHandler):
             self._check_hello(node)
         if missing:
             return None
+        later = max(next_round(claim) for claim in claims.values())
+        if later > self.round:  # node 0 was started again while the others went on
+            log.warning(
+                "round %d of this launch: node(s) already took part in %d round(s) of the job; "
+                "node 0 opens round %d instead, so that every node counts the same restarts",
+                self.round,
+                later,
+                later,
+            )
+            self.round = later - 1  # the next open is `later`
+            return "reopened"
         self.put("start", {"nodes": {str(n): claim for n, claim in claims.items()}})
         self.nodes = {n: claim[0] for n, claim in found.items() if claim is not None}
         return True
@@ -375,10 +396,3 @@ class LockstepRendezvous(RendezvousHandler):
         self._closed = True
         self.store.close()
         return True
-
-
-def build(
-    store: BoundedStore, signer: Signer, me: NodeInfo, nnodes: int, run_id: str, timeout_s: float
-) -> LockstepRendezvous:
-    """The rendezvous of this node at the launchers' store."""
-    return LockstepRendezvous(store, signer, me, nnodes, run_id, timeout_s)

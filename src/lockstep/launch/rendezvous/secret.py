@@ -76,6 +76,7 @@ class Seal(Enum):
     OTHER_SECRET = "sealed with another secret"
     NOT_OURS = "sealed for another key, job or round, or forged"
     MALFORMED = "not a sealed value"
+    DELETED = "deleted (lockstep deletes no key of a round)"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.launch.diagnostics.report import describe, restart_line
 from lockstep.launch.recovery import LiveRecovery
+from lockstep.launch.rendezvous.foreign import SECURITY_DOC, WINDOW_S
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
@@ -135,6 +136,10 @@ class LockstepAgent(LocalElasticAgent):
         self._watchdog.pet("joining the rendezvous", allow)
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
+        if self.rendezvous.round > self.restart_count:  # node 0 was started again
+            spent = self.rendezvous.round
+            self._remaining_restarts = max(0, worker_group.spec.max_restarts - spent)
+            log.warning("the job is in round %d: %d restart(s) already spent", spent, spent)
         self._posted = False
         self._done_since = None
         self.reports = {}
@@ -275,13 +280,26 @@ class LockstepAgent(LocalElasticAgent):
         if self.recovery is not None:  # a live job waits for a lost node (`recovery/nodes.py`)
             lost = self.recovery.judge(self, lost)
         if lost:
-            nodes = ", ".join(map(str, lost))
-            return (
-                f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s (the network "
-                f"between node {self.node_rank} ({self.rendezvous.me.addr}) and "
-                f"{self._describe_nodes(lost)} failed, or it stopped)"
-            )
+            return self._lost_line(lost)
         return None
+
+    def _lost_line(self, lost: list[int]) -> str:
+        """Why `lost` count as lost: silence, or a heartbeat that others overwrote."""
+        nodes = ", ".join(map(str, lost))
+        heard = f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s"
+        keys = [self.rendezvous.key(group.ALIVE_KEY.format(node=node)) for node in lost]
+        tampered = sum(self.rendezvous.foreign.count(key) for key in keys)
+        if tampered:
+            return (
+                f"{heard}, but its heartbeat ({', '.join(keys)}) was overwritten or deleted "
+                f"{tampered} time(s) in the last {WINDOW_S:.0f} s by something other than the "
+                "job: a host on the network writes into the launchers' store (the network may "
+                f"be fine); allow the store's port to the training nodes only ({SECURITY_DOC})"
+            )
+        return (
+            f"{heard} (the network between node {self.node_rank} ({self.rendezvous.me.addr}) "
+            f"and {self._describe_nodes(lost)} failed, or it stopped)"
+        )
 
     def _describe_nodes(self, nodes: list[int]) -> str:
         known = self.rendezvous.nodes
@@ -330,7 +348,8 @@ class LockstepAgent(LocalElasticAgent):
             if not reachable:
                 raise StoreUnreachable(f"the store at {self.rendezvous.endpoint} did not answer")
             group.post(self.rendezvous, report)
-            self.reports = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
+            gathered = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
+            self.reports = {**gathered, me.node_rank: report}  # its own, even if deleted there
         except StoreUnreachable as error:  # cut off: the others learn it from the silence
             log.warning("could not exchange failure reports: %s", error)
             self.reports = {me.node_rank: report}
