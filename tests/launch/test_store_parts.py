@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def test_the_secret_comes_from_a_file_the_environment_or_one_node(tmp_path, monk
         load_secret(2, None)
     path = tmp_path / "secret"
     path.write_text("from-a-file-0123456789\n")
+    path.chmod(0o600)
     assert load_secret(2, str(path)) == b"from-a-file-0123456789"
     with pytest.raises(SecretError, match="cannot read --secret-file"):
         load_secret(2, str(tmp_path / "missing"))
@@ -98,3 +100,17 @@ def test_a_value_sealed_with_another_secret_is_told_from_a_forgery_or_a_replay()
     assert ours.inspect("k", None).seal is Seal.ABSENT
     for junk in (b"\x80\x04junk", "[1, 2]", '{"v": 1}', '{"v": "1", "mac": "0"}'):
         assert ours.inspect("k", junk).seal in (Seal.MALFORMED, Seal.NOT_OURS), junk
+
+
+def test_a_secret_file_others_can_read_or_that_is_not_text_is_refused_plainly(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("from-a-file-0123456789\n")
+    path.chmod(0o644)
+    with pytest.raises(
+        SecretError, match=rf"has mode 644, .* Run `chmod 600 {re.escape(str(path))}`"
+    ):
+        load_secret(2, str(path), node_rank=1)
+    path.write_bytes(bytes.fromhex("deadbeef") * 8)
+    path.chmod(0o600)
+    with pytest.raises(SecretError, match=r"is not text .* `openssl rand -hex 32 >"):
+        load_secret(2, str(path), node_rank=1)

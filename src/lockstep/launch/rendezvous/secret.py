@@ -15,6 +15,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -41,12 +42,7 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
         SecretError: several nodes and no secret given, or one too short to guess-proof.
     """
     if secret_file:
-        try:
-            text = Path(secret_file).read_text().strip()
-        except OSError as error:
-            raise SecretError(
-                f"node {node_rank} cannot read --secret-file {secret_file}: {error.strerror}"
-            ) from None
+        text = _read_secret_file(Path(secret_file), node_rank)
     else:
         text = (read_variable(SECRET_VARIABLE) or "").strip()
     if not text and nnodes == 1:
@@ -66,6 +62,36 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
         )
     os.environ[SECRET_VARIABLE] = text
     return text.encode()
+
+
+def _read_secret_file(path: Path, node_rank: int) -> str:
+    """The text of --secret-file: one line, readable by its owner alone.
+
+    A secret that others on the machine (or the shared file system) can read lets
+    them forge every value of the job, so a file with any group or other permission
+    is refused, as ssh refuses such a private key; the fix is one `chmod`.
+    """
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as error:
+        raise SecretError(
+            f"node {node_rank} cannot read --secret-file {path}: {error.strerror}"
+        ) from None
+    if mode & 0o077:
+        raise SecretError(
+            f"node {node_rank}: --secret-file {path} has mode {stat.S_IMODE(mode):o}, so other "
+            f"users can read or change the job's secret; expected 600. Run `chmod 600 {path}`."
+        )
+    text = data.decode("utf-8", errors="replace")
+    if "\ufffd" in text or "\0" in text:
+        at = min(i for i, c in enumerate(text) if c in "\ufffd\0")
+        raise SecretError(
+            f"node {node_rank}: --secret-file {path} is not text (a byte that is not UTF-8 or "
+            f"a NUL at character {at}); expected one line, for example written by "
+            f"`openssl rand -hex 32 > {path}`."
+        )
+    return text.strip()
 
 
 class Seal(Enum):
