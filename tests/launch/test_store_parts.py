@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from lockstep.launch.rendezvous.flood import FloodWatch, StoreFloodError
 from lockstep.launch.rendezvous.secret import (
     SECRET_VARIABLE,
     Opened,
@@ -114,3 +115,23 @@ def test_a_secret_file_others_can_read_or_that_is_not_text_is_refused_plainly(tm
     path.chmod(0o600)
     with pytest.raises(SecretError, match=r"is not text .* `openssl rand -hex 32 >"):
         load_secret(2, str(path), node_rank=1)
+
+
+def test_a_store_past_its_bounds_on_keys_or_memory_is_named_a_flood():
+    server, port = host("127.0.0.1", 0, timeout_s=5)  # held in this process, as on node 0
+    client = BoundedStore("127.0.0.1", port, op_timeout_s=5)
+    try:
+        for index in range(30):
+            client.call("set", f"k{index}", "x")
+        FloodWatch("127.0.0.1:1", max_keys=30).look(client, None)  # at the bound: fine
+        with pytest.raises(StoreFloodError, match="the launchers' store: 31 keys"):
+            client.call("set", "one-more", "x")
+            FloodWatch("127.0.0.1:1", max_keys=30).look(client, None)
+        watch = FloodWatch("127.0.0.1:1", max_growth_bytes=16 << 20)
+        for index in range(40):  # 40 MiB more in this process's memory
+            client.call("set", f"big{index}", os.urandom(1 << 20))
+        with pytest.raises(StoreFloodError, match=r"memory grew by \d+ MiB"):
+            watch.look(client, None)
+    finally:
+        client.close()
+        del server

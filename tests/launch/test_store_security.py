@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,36 @@ while not os.path.exists(f"{out}/final.pt") and time.monotonic() < deadline:
     time.sleep(0.2)
 print(json.dumps(done), flush=True)
 """
+
+
+# Runs in the stranger's namespace; argv: addr port out limit_mib. 1 MiB values, new keys.
+FLOOD = r"""
+import json, os, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+addr, port, out, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+while not os.path.exists(f"{out}/pids/1.0"):  # the workers run: flood now
+    time.sleep(0.1)
+value, sent = os.urandom(1 << 20), 0
+try:
+    while sent < limit:
+        store.set(f"flood/{sent}", value)
+        sent += 1
+except Exception:  # the store is gone
+    pass
+print(json.dumps({"sent_mib": sent}), flush=True)
+"""
+
+
+def _resident_mib(pid: int) -> int:
+    """VmRSS of `pid` in MiB (0 once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(found[0]) >> 10 if found else 0  # a zombie has none
 
 
 def _listeners(host: Host) -> list[str]:
@@ -150,3 +181,41 @@ def test_a_stranger_can_neither_stop_nor_steer_two_nodes(hosts3, tmp_path, locks
     resumed = final_params(out)
     for name, value in lockstep_run_reference.items():
         assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_flood_of_keys_is_named_and_ends_the_job_before_node_0_runs_out(hosts3, tmp_path):
+    a, b, stranger = hosts3
+    out = tmp_path / "run"
+    out.mkdir()
+    limit = 1500  # MiB; the bound on node 0's launcher is 512 MiB of growth
+    flood = stranger.popen(
+        [sys.executable, "-c", FLOOD, a.address, str(MASTER_PORT), str(out), str(limit)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    script = [TRAIN, "--out", str(out), "--steps", "200", "--step-sleep", "0.3"]
+    launchers = [
+        Launcher([*node_args(a, rank, nproc=1), *script], out / f"node{rank}.log", host)
+        for rank, host in enumerate((a, b))
+    ]
+    wait_for(out / "pids" / "1.0", 120, launchers)
+    base = peak = _resident_mib(launchers[0].proc.pid)
+    deadline = time.monotonic() + 150
+    while launchers[0].proc.poll() is None and time.monotonic() < deadline:
+        peak = max(peak, _resident_mib(launchers[0].proc.pid))
+        time.sleep(0.05)
+    codes = wait_all(launchers, 60)
+    said, errors = flood.communicate(timeout=60)
+    logs = [launcher.log() for launcher in launchers]
+    sent = json.loads(said.strip().splitlines()[-1])["sent_mib"] if said.strip() else errors
+    print(f"node 0's launcher grew by {peak - base} MiB; the stranger sent {sent} MiB")
+    assert codes == [1, 1], logs
+    assert "node 0's stores are flooded" in logs[0], logs[0]
+    # Node 1 reads node 0's report if the flooded store lets it in time, else says where to look.
+    assert "node 0's stores are flooded" in logs[1] or "check node 0's log" in logs[1], logs[1]
+    assert peak - base < 1024, f"grew by {peak - base} MiB"
+    assert isinstance(sent, int) and sent < limit, sent  # cut off when node 0 ended

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from lockstep.launch.rendezvous.secret import Opened, Seal
+from lockstep.launch.rendezvous.secret import Opened, Seal, Signer
 
 log = logging.getLogger("lockstep.run")
 WINDOW_S = 10.0  # sightings counted over this long
@@ -31,12 +32,18 @@ class SecretMismatchError(RendezvousError):
 
 
 class ForeignValues:
-    """The values of this job's keys that did not open, by key, over the last `WINDOW_S` s."""
+    """The values of this job's keys that did not open, by key, over the last `WINDOW_S` s.
 
-    def __init__(self) -> None:
+    Args:
+        me: this node's rank; fingerprint: its secret's (both for the mismatch line).
+    """
+
+    def __init__(self, me: int, fingerprint: str) -> None:
+        self._me, self._fingerprint = me, fingerprint
         self._seen: dict[str, deque[tuple[float, Seal]]] = {}
         self._said = -QUIET_S
         self._other_since: dict[str, float] = {}
+        self._said_hello = 0.0
 
     def note(self, key: str, opened: Opened) -> None:
         """Count `opened` (read under `key`) when it is present but not ours; log a run of them."""
@@ -86,9 +93,22 @@ class ForeignValues:
             f"{WINDOW_S:.0f} s: a host on the network writes into the store ({SECURITY_DOC})"
         )
 
-    def check_secret(self, source: str, opened: Opened, message: str) -> None:
-        """Raise `SecretMismatchError(message)` once `source` read as another secret's for
-        `MISMATCH_S` s at every look (one stray value, a stranger's, does not end the job).
+    def say_hello(self, store: Any, signer: Signer, key: str, me: dict) -> None:
+        """A node other than 0, waiting for a round: post `me`, sealed, under `key` (at most
+        once a second), so that node 0 tells a secret that differs from a silent node."""
+        if time.monotonic() - self._said_hello >= 1.0:
+            self._said_hello = time.monotonic()
+            store.call("set", key, signer.seal(key, me))
+
+    def check_hello(self, store: Any, signer: Signer, key: str, node: int, where: str) -> None:
+        """Node 0: raise when node `node`'s hello (`key`) keeps reading as another secret's."""
+        hello = signer.inspect(key, store.read(key))
+        self.check_secret(key, hello, f"node {node}", f"node {node}'s announcement at {where}")
+
+    def check_secret(self, source: str, opened: Opened, other: str, what: str) -> None:
+        """Raise once `source` (`what`, written by node `other`) read as sealed with another
+        secret for `MISMATCH_S` s at every look (one stray value, a stranger's, does not
+        end the job).
 
         Raises:
             SecretMismatchError: the node behind `source` seals with another secret.
@@ -98,15 +118,11 @@ class ForeignValues:
             return
         since = self._other_since.setdefault(source, time.monotonic())
         if time.monotonic() - since >= MISMATCH_S:
-            raise SecretMismatchError(message)
-
-
-def mismatch_message(me: int, other: str, what: str, theirs: str, mine: str) -> str:
-    """The line that names a secret that differs between two nodes."""
-    return (
-        f"node {me}: the job secret differs from {other}'s: {what} is sealed with a secret "
-        f"whose fingerprint is {theirs}, and this node's is {mine}. Give every node the same "
-        "LOCKSTEP_JOB_SECRET or --secret-file (the fingerprint, an HMAC of a constant, reveals "
-        "nothing of the secret). If every node has the same secret, another host writes into "
-        f"the store: allow its port to the training nodes only ({SECURITY_DOC})."
-    )
+            raise SecretMismatchError(
+                f"node {self._me}: the job secret differs from {other}'s: {what} is sealed with "
+                f"a secret whose fingerprint is {opened.fingerprint}, and this node's is "
+                f"{self._fingerprint}. Give every node the same LOCKSTEP_JOB_SECRET or "
+                "--secret-file (the fingerprint, an HMAC of a constant, reveals nothing of the "
+                "secret). If every node has the same secret, another host writes into the "
+                f"store: allow its port to the training nodes only ({SECURITY_DOC})."
+            )

@@ -2,13 +2,15 @@
 
 torch's dynamic c10d rendezvous keeps its state in the store as a pickle, which
 anyone who reaches the port can replace (and so run code in every launcher). Here
-the state is a few values sealed with the job's secret (`launch/rendezvous/secret.py`):
-node 0 opens round r (`open`: the round and the address of the round's fresh
-worker store, which node 0's launcher hosts on its own address only), every node
-claims its --node-rank in that round (`node/K`, compare-and-set, so a second claim
-of the same rank is caught at once and ends every node), and the round starts
-when all nodes have claimed. A node that lost the store (a network cut) dials
-again until the join timeout, so it rejoins the next round when the cut heals.
+the state is a few values sealed with the job's secret (`launch/rendezvous/secret.py`),
+under keys that name node 0's nonce for this launch and the round, so a value of
+another job or round never opens: node 0 opens round r (`open`: the round, its
+nonce, the round's fresh worker store on node 0's address), every node claims its
+--node-rank in it (`node/K`, compare-and-set; a second launcher posts a contest that
+node 0 judges), and node 0 echoes every claim and launcher nonce under `start` once
+all have claimed: a node joins a round only on that echo, so a round replayed from
+another job never forms. A node that lost the store dials again until the join
+timeout, so it rejoins the next round when a cut heals (or node 0 is started again).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from lockstep.launch.rendezvous.claims import (
     node_of,
     round_of,
 )
-from lockstep.launch.rendezvous.foreign import ForeignValues, mismatch_message
+from lockstep.launch.rendezvous.flood import FloodWatch
+from lockstep.launch.rendezvous.foreign import ForeignValues
 from lockstep.launch.rendezvous.secret import Opened, Seal, Signer
 from lockstep.launch.rendezvous.store import BoundedStore, StoreUnreachable, host
 
@@ -83,10 +86,10 @@ class LockstepRendezvous(RendezvousHandler):
         self._join_timeout_s = join_timeout_s
         self.nonce = secrets.token_hex(16)
         self.job = secrets.token_hex(8) if me.node_rank == 0 else ""
-        self.foreign = ForeignValues()
+        self.foreign = ForeignValues(me.node_rank, signer.fingerprint)
+        self.flood = FloodWatch(store.endpoint) if me.node_rank == 0 else None
         self._seen_keys: set[str] = set()  # keys read present: one absent later was deleted
         self._formed: tuple[str, int] = ("", -1)  # the last round this node took part in
-        self._said_hello = 0.0
         self._watched = 0.0
         self._worker_server: TCPStore | None = None
         self._open_sealed = ""
@@ -174,15 +177,10 @@ class LockstepRendezvous(RendezvousHandler):
         found = self.signer.inspect(key, self.store.read(key))
         opened = self._newer(found.value)
         if opened is None:
-            self._say_hello()
-            message = mismatch_message(
-                self.me.node_rank,
-                "node 0",
-                f"the round node 0 opened at {self.endpoint}",
-                found.fingerprint,
-                self.signer.fingerprint,
-            )
-            self.foreign.check_secret("open", found, message)
+            hello = f"lockstep/{self._run_id}/hello/{self.me.node_rank}"
+            self.foreign.say_hello(self.store, self.signer, hello, asdict(self.me))
+            what = f"the round node 0 opened at {self.endpoint}"
+            self.foreign.check_secret("open", found, "node 0", what)
         return opened
 
     def _newer(self, value: Any) -> dict | None:
@@ -193,14 +191,6 @@ class LockstepRendezvous(RendezvousHandler):
         if opened is None or opened["job"] != self._formed[0]:
             return opened
         return opened if opened["round"] > self._formed[1] else None
-
-    def _say_hello(self) -> None:
-        """Post this node, sealed, outside any round: node 0 tells a foreign secret from it."""
-        if time.monotonic() - self._said_hello < 1.0:
-            return
-        self._said_hello = time.monotonic()
-        key = f"lockstep/{self._run_id}/hello/{self.me.node_rank}"
-        self.store.call("set", key, self.signer.seal(key, {**asdict(self.me), "nonce": self.nonce}))
 
     def keep_open(self) -> None:
         """Node 0: put its `open` back when something else was written there (and count it)."""
@@ -263,12 +253,19 @@ class LockstepRendezvous(RendezvousHandler):
 
         Raises:
             NodeRankRendezvousError: a --node-rank is held twice.
+            StoreFloodError: node 0's stores hold more than their bounds (`flood.py`).
         """
         self._check_abort()
+        self.check_flood()
         if self.me.node_rank == 0 and time.monotonic() - self._watched >= WATCH_S:
             self._watched = time.monotonic()
             self.judge_contests()
             self.keep_open()
+
+    def check_flood(self) -> None:
+        """Node 0: the bounds on the keys its stores hold (`flood.py`; raises StoreFloodError)."""
+        if self.flood is not None:
+            self.flood.look(self.store, self._worker_server)
 
     def _wait_for_all(self) -> bool | str | None:
         """True once the round formed; "reopened": node 0 opened another; None: not yet."""
@@ -300,13 +297,15 @@ class LockstepRendezvous(RendezvousHandler):
 
     def _gather_claims(self) -> bool | str | None:
         """Node 0: once every node claimed, echo every claim (and nonce) under `start`."""
+        self.check_flood()
         self.keep_open()
         self.judge_contests()
         claims = {n: self.take(f"node/{n}") for n in range(self.nnodes)}
         found = {n: node_of(claim) for n, claim in claims.items()}
         missing = [n for n, claim in found.items() if claim is None]
         for node in missing:
-            self._check_hello(node)
+            key = f"lockstep/{self._run_id}/hello/{node}"
+            self.foreign.check_hello(self.store, self.signer, key, node, self.endpoint)
         if missing:
             return None
         later = max(next_round(claim) for claim in claims.values())
@@ -323,15 +322,6 @@ class LockstepRendezvous(RendezvousHandler):
         self.put("start", {"nodes": {str(n): claim for n, claim in claims.items()}})
         self.nodes = {n: claim[0] for n, claim in found.items() if claim is not None}
         return True
-
-    def _check_hello(self, node: int) -> None:
-        """Node 0: name a node that announced itself sealed with another secret."""
-        key = f"lockstep/{self._run_id}/hello/{node}"
-        hello = self.signer.inspect(key, self.store.read(key))
-        what = f"node {node}'s announcement at {self.endpoint}"
-        mine = self.signer.fingerprint
-        message = mismatch_message(0, f"node {node}", what, hello.fingerprint, mine)
-        self.foreign.check_secret(f"hello/{node}", hello, message)
 
     def _timeout_message(self, lost: StoreUnreachable | None) -> str:
         if lost is not None and self.me.node_rank != 0:

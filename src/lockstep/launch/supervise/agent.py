@@ -22,6 +22,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.launch.diagnostics.report import describe, restart_line
 from lockstep.launch.recovery import LiveRecovery
+from lockstep.launch.rendezvous.flood import StoreFloodError
 from lockstep.launch.rendezvous.foreign import SECURITY_DOC, WINDOW_S
 from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
@@ -273,8 +274,15 @@ class LockstepAgent(LocalElasticAgent):
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""
-        self.rendezvous.watch()  # a late node claimed a rank already held: it raises
-        if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
+        try:
+            self.rendezvous.watch()  # a late node claimed a rank already held: it raises
+        except StoreFloodError as error:  # node 0: stop every node, for good, saying why
+            log.error("%s", error)
+            self._end_round(str(error), [], final=True)
+            return str(error)
+        reports = group.read_reports(self.rendezvous, self.rendezvous.nnodes)  # sealed only
+        if reports:
+            self.reports = reports  # kept should the store go before the exchange
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
         if self.recovery is not None:  # a live job waits for a lost node (`recovery/nodes.py`)
@@ -352,7 +360,7 @@ class LockstepAgent(LocalElasticAgent):
             self.reports = {**gathered, me.node_rank: report}  # its own, even if deleted there
         except StoreUnreachable as error:  # cut off: the others learn it from the silence
             log.warning("could not exchange failure reports: %s", error)
-            self.reports = {me.node_rank: report}
+            self.reports = {**self.reports, me.node_rank: report}  # and those read before
         if any(r.final for r in self.reports.values()):
             self._remaining_restarts = 0  # a node that was stopped will not come back
 
