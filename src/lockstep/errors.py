@@ -30,3 +30,7 @@ class CheckpointError(LockstepError):
 
 class NonFiniteGradientError(LockstepError):
     """A rank's gradients held NaN or inf at a synchronised step (`runtime/finite.py`)."""
+
+
+class NonFiniteSkipWarning(UserWarning):
+    """nonfinite="skip" skipped a step whose gradients held NaN or inf (`runtime/finite.py`)."""

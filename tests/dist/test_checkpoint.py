@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import warnings
 from pathlib import Path
 
@@ -224,3 +225,16 @@ def test_random_states_survive_a_weights_only_round_trip(tmp_path):
     got = (random.random(), np.random.rand(), torch.rand(2), random.gauss(0, 1))
     assert got[0] == expected[0] and got[1] == expected[1] and got[3] == expected[3]
     assert torch.equal(got[2], expected[2])
+
+
+def test_a_checkpoint_folder_deleted_during_the_run_is_named_when_made_again(tmp_path):
+    directory = tmp_path / "ckpt"
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(1, model=model_with(1.0))
+    shutil.rmtree(directory)  # by hand, by a cleanup job, by a quota script
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointer.save(2, model=model_with(2.0))
+    said = [str(w.message) for w in caught]
+    assert any(f"{directory} was deleted during the run" in m and "step 1" in m for m in said)
+    assert restored(directory)[:2] == (2, 2.0)

@@ -12,13 +12,15 @@ the NaN spreads to every rank (what torch's DDP does), which the tests would see
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from engine_models import MLP
 from torch import nn
 
 import lockstep
-from lockstep.errors import NonFiniteGradientError
+from lockstep.errors import NonFiniteGradientError, NonFiniteSkipWarning
 from lockstep.testing import run_ranks
 
 STEPS, NAN_STEP = 7, 5
@@ -158,3 +160,30 @@ def test_a_rank_joined_under_join_raises_with_the_rank_that_found_a_nan():
         assert "step 3" in error and "rank(s) 0's own gradients" in error, error
         assert "Ranks with finite gradients: 1." in error, error
         assert any(f"rank 0: '{name}' holds NaN" in error for name in NAMES), error
+
+
+def _skip_warnings(ctx) -> list[str]:
+    """The warnings of a "skip" run whose rank 1 loss is NaN at steps 2, 3 and 5."""
+    _, wrapped = _wrap("ddp", "skip")
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, STEPS + 1):
+            gen = torch.Generator().manual_seed(100 * step + ctx.rank)
+            x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+            opt.zero_grad()
+            loss = ((wrapped(x) - y) ** 2).mean()
+            if ctx.rank == 1 and step in (2, 3, 5):
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+    return [str(w.message) for w in caught if w.category is NonFiniteSkipWarning]
+
+
+def test_skip_mode_says_which_steps_it_skipped():
+    said, quiet = run_ranks(_skip_warnings, 2, deadline_s=120)
+    assert quiet == []  # rank 0 speaks for the group
+    assert len(said) == 2, said  # at 1 and 2 skipped steps (then 4, 8, ...)
+    assert "skipped synchronised step 2 (nonfinite='skip')" in said[0], said
+    assert "rank 1: 'net." in said[0] and "holds NaN" in said[0], said
+    assert "step 3" in said[1] and "2 step(s) skipped so far" in said[1], said

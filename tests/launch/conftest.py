@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from lockstep.testing.netns import NetnsUnavailable, two_hosts, unavailable_reason
+from lockstep.testing.netns import NetnsUnavailable, lan, two_hosts, unavailable_reason
 
 
 def _install_iproute2() -> None:
@@ -53,6 +53,16 @@ def hosts(netns_ready):
         yield a, b
     finally:
         pair.__exit__(None, None, None)
+
+
+@pytest.fixture
+def hosts3(netns_ready):
+    """Three hosts on one switch: the job runs on the first two, the third plays a stranger."""
+    try:
+        with lan(3) as hosts:
+            yield hosts
+    except NetnsUnavailable as error:
+        pytest.skip(f"network namespaces unavailable: {error}")
 
 
 @pytest.fixture(scope="session")

@@ -126,3 +126,34 @@ def live_workers(out: Path) -> list[int]:
         if stat.rsplit(")", 1)[1].split()[0] != "Z" and b"train_tiny" in cmdline:
             alive.append(pid)
     return alive
+
+
+def first_line_to_exit(launchers: list[Launcher], timeout: float) -> float:
+    """Seconds from the last launcher's first log line to the last exit (killed at `timeout`)."""
+    deadline = time.monotonic() + timeout
+    up: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        for index, launcher in enumerate(launchers):
+            if index not in up and "lockstep run [node" in launcher.log():
+                up[index] = time.monotonic()
+        if all(launcher.proc.poll() is not None for launcher in launchers):
+            return time.monotonic() - max(up.values(), default=deadline)
+        time.sleep(0.05)
+    wait_all(launchers, 0.1)
+    return float("inf")
+
+
+def first_line_to_text(launchers: list[Launcher], texts: list[str], timeout: float) -> float:
+    """Seconds from the last launcher's first log line until launcher i logs `texts[i]`
+    (every launcher), or inf after `timeout`; the launchers are left running."""
+    deadline = time.monotonic() + timeout
+    up: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        logs = [launcher.log() for launcher in launchers]
+        for index, log in enumerate(logs):
+            if index not in up and "lockstep run [node" in log:
+                up[index] = time.monotonic()
+        if all(text in log for text, log in zip(texts, logs, strict=True)):
+            return time.monotonic() - max(up.values())
+        time.sleep(0.05)
+    return float("inf")

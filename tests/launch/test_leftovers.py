@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launchkit import TRAIN, Launcher, wait_all, wait_for
+from launchkit import TRAIN, Launcher, first_line_to_exit, wait_all, wait_for
 
 pytestmark = pytest.mark.slow  # whole launcher runs, several seconds each
 
@@ -86,21 +86,6 @@ def test_a_watchdog_exit_removes_the_folder(tmp_path):
     assert not folder.exists()
 
 
-def _first_line_to_exit(launchers: list[Launcher], timeout: float) -> float:
-    """Seconds from the last launcher's first log line to the last exit (killed at `timeout`)."""
-    deadline = time.monotonic() + timeout
-    up: dict[int, float] = {}
-    while time.monotonic() < deadline:
-        for index, launcher in enumerate(launchers):
-            if index not in up and "lockstep run [node" in launcher.log():
-                up[index] = time.monotonic()
-        if all(launcher.proc.poll() is not None for launcher in launchers):
-            return time.monotonic() - max(up.values(), default=deadline)
-        time.sleep(0.05)
-    wait_all(launchers, 0.1)
-    return float("inf")
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -118,7 +103,7 @@ def test_a_foreign_program_on_the_master_port_is_reported_within_10_s(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as foreign:  # accepts, never answers
         port = int(foreign.getsockname()[1])
         node1 = _node(1, port, tmp_path, "node1")
-        took = _first_line_to_exit([node1], 60)
+        took = first_line_to_exit([node1], 60)
     log = node1.log()
     print(f"foreign program reported {took:.1f} s after the launcher's first line")
     assert took < REPORT_S, f"{took:.1f} s\n{log}"
@@ -133,7 +118,7 @@ def test_a_node_rank_given_twice_is_reported_within_10_s(tmp_path):
     launchers = [_node(0, port, tmp_path, "node0")]
     time.sleep(1.0)  # node 0 first, as a scheduler would start it; then two "node 1"
     launchers += [_node(1, port, tmp_path, f"node1{tag}") for tag in "ab"]
-    took = _first_line_to_exit(launchers, 60)
+    took = first_line_to_exit(launchers, 60)
     logs = [launcher.log() for launcher in launchers]
     print(f"duplicated node rank reported {took:.1f} s after the last launcher's first line")
     assert took < REPORT_S, f"{took:.1f} s\n" + "\n".join(logs)

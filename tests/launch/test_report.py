@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from lockstep.launch.diagnostics.report import cause_line, summarize
+from lockstep.launch.rendezvous.claims import NodeInfo, duplicate_message
 from lockstep.launch.rendezvous.netif import route_to
-from lockstep.launch.rendezvous.rounds import NodeInfo, _duplicate_message
 from lockstep.launch.supervise.group import NodeReport, WorkerFailure, first_failure
 
 RESET = "RuntimeError: Read error [10.0.0.2]:1234: Connection reset by peer."
@@ -61,7 +61,7 @@ def test_report_survives_the_store_round_trip():
 
 
 def test_two_nodes_with_one_node_rank_are_named():
-    message = _duplicate_message(NodeInfo(1, "h1", "a1"), NodeInfo(1, "h2", "a2"), 3)
+    message = duplicate_message(NodeInfo(1, "h1", "a1"), NodeInfo(1, "h2", "a2"), 3)
     assert "two nodes were started with --node-rank 1: h1 (a1) and h2 (a2)" in message
     assert "0..2 exactly once" in message
 
@@ -70,3 +70,20 @@ def test_route_to_loopback_uses_lo():
     route = route_to("127.0.0.1")
     assert (route.local_addr, route.interface) == ("127.0.0.1", "lo")
     assert route_to("127.0.0.1", local_addr="127.0.0.2").local_addr == "127.0.0.2"
+
+
+def test_a_rank_that_left_early_comes_after_real_errors_and_before_echoes():
+    message = "its script ended (sys.exit(0), or a return) while other ranks were still running"
+    left = _failure(1, 1, "exit code 0", message, detected=1.0)
+    echo = _failure(0, 0, "exit code 1", RESET, detected=0.5)
+    error = _failure(2, 0, "exit code 1", "ValueError: loss is nan", detected=2.0)
+    reports = {
+        0: NodeReport(0, "h0", "a0", "workers failed", [echo]),
+        1: NodeReport(1, "h1", "a1", "x", [left]),
+    }
+    assert first_failure(reports) == left
+    reports[0] = NodeReport(0, "h0", "a0", "workers failed", [echo, error])
+    assert first_failure(reports) == error
+    assert "rank 1 (node 1, host1, local rank 1, pid 101): exit code 0: its script" in summarize(
+        {1: reports[1]}, 2, 0
+    )

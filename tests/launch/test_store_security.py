@@ -14,12 +14,13 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from launchkit import MASTER_PORT, TRAIN, Launcher, final_params, node_args, wait_all, wait_for
 
-from lockstep.testing.netns import Host, NetnsUnavailable, lan
+from lockstep.testing.netns import Host
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 STEPS = 4  # as the session's `lockstep_run_reference`
@@ -40,18 +41,20 @@ store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
 done["connected"] = True
 while not os.path.exists(f"{out}/pids/1.0"):  # the workers run: attack now
     time.sleep(0.1)
-if store.check(["lockstep/lockstep/r0/node/1"]):
-    done["read"] = store.get("lockstep/lockstep/r0/node/1").decode()
+opened = json.loads(json.loads(store.get("lockstep/lockstep/open"))["v"])  # readable, not secret
+r0 = f"lockstep/lockstep/{opened['job']}/r0/" if "job" in opened else "lockstep/lockstep/r0/"
+if store.check([r0 + "node/1"]):
+    done["read"] = store.get(r0 + "node/1").decode()
 forged = json.dumps({"v": json.dumps({"node_rank": 1, "host": "x", "addr": "x",
     "cause": "forged", "failures": [], "final": True}), "mac": "0" * 64})
 pickled = pickle.dumps(Plant())
 deadline = time.monotonic() + 120
 while not os.path.exists(f"{out}/final.pt") and time.monotonic() < deadline:
     for node in (0, 1):
-        store.set(f"lockstep/lockstep/r0/report/{node}", forged)
-        store.set(f"lockstep/lockstep/r0/alive/{node}", pickled)
-    store.add("lockstep/lockstep/r0/reports", 1)
-    store.set("lockstep/lockstep/r0/abort", pickled)
+        store.set(f"{r0}report/{node}", forged)
+        store.set(f"{r0}alive/{node}", pickled)
+    store.add(f"{r0}reports", 1)
+    store.set(f"{r0}abort", pickled)
     store.set("torch.rendezvous.lockstep", pickled)  # torch's c10d rendezvous state
     store.add("torch.rendezvous.lockstep.0/lockstep/reports", 1)  # its round-0 report count
     done["rounds"] += 1
@@ -60,13 +63,34 @@ print(json.dumps(done), flush=True)
 """
 
 
-@pytest.fixture
-def hosts3(netns_ready):
+# Runs in the stranger's namespace; argv: addr port out limit_mib. 1 MiB values, new keys.
+FLOOD = r"""
+import json, os, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+addr, port, out, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+while not os.path.exists(f"{out}/pids/1.0"):  # the workers run: flood now
+    time.sleep(0.1)
+value, sent = os.urandom(1 << 20), 0
+try:
+    while sent < limit:
+        store.set(f"flood/{sent}", value)
+        sent += 1
+except Exception:  # the store is gone
+    pass
+print(json.dumps({"sent_mib": sent}), flush=True)
+"""
+
+
+def _resident_mib(pid: int) -> int:
+    """VmRSS of `pid` in MiB (0 once it is gone)."""
     try:
-        with lan(3) as hosts:
-            yield hosts
-    except NetnsUnavailable as error:
-        pytest.skip(f"network namespaces unavailable: {error}")
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(found[0]) >> 10 if found else 0  # a zombie has none
 
 
 def _listeners(host: Host) -> list[str]:
@@ -147,12 +171,51 @@ def test_a_stranger_can_neither_stop_nor_steer_two_nodes(hosts3, tmp_path, locks
     assert report.strip(), errors
     done = json.loads(report.strip().splitlines()[-1])
     assert done["connected"] and done["rounds"] > 0, done  # it did reach the store and act
-    assert "lockstep-tests-job-secret" not in str(done["read"])  # what it read holds no secret
+    assert done["read"] and "lockstep-tests-job-secret" not in done["read"]  # no secret in it
     assert not (out / "pwned").exists(), "a pickle from the store was loaded"
-    assert "restart 1" not in logs and "forged" not in logs
+    assert "restart 1" not in logs and "): forged" not in logs
+    assert "values not sealed for this job keep appearing" in logs  # and they are named
     # The job listens on its hosts' own addresses (and loopback), never on all interfaces.
     local = {a.address, b.address, "127.0.0.1"}
     assert all(entry.rsplit(":", 1)[0] in local for entry in seen), seen
     resumed = final_params(out)
     for name, value in lockstep_run_reference.items():
         assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_flood_of_keys_is_named_and_ends_the_job_before_node_0_runs_out(hosts3, tmp_path):
+    a, b, stranger = hosts3
+    out = tmp_path / "run"
+    out.mkdir()
+    limit = 1500  # MiB; the bound on node 0's launcher is 512 MiB of growth
+    flood = stranger.popen(
+        [sys.executable, "-c", FLOOD, a.address, str(MASTER_PORT), str(out), str(limit)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    script = [TRAIN, "--out", str(out), "--steps", "200", "--step-sleep", "0.3"]
+    launchers = [
+        Launcher([*node_args(a, rank, nproc=1), *script], out / f"node{rank}.log", host)
+        for rank, host in enumerate((a, b))
+    ]
+    wait_for(out / "pids" / "1.0", 120, launchers)
+    base = peak = _resident_mib(launchers[0].proc.pid)
+    deadline = time.monotonic() + 150
+    while launchers[0].proc.poll() is None and time.monotonic() < deadline:
+        peak = max(peak, _resident_mib(launchers[0].proc.pid))
+        time.sleep(0.05)
+    codes = wait_all(launchers, 60)
+    said, errors = flood.communicate(timeout=60)
+    logs = [launcher.log() for launcher in launchers]
+    sent = json.loads(said.strip().splitlines()[-1])["sent_mib"] if said.strip() else errors
+    print(f"node 0's launcher grew by {peak - base} MiB; the stranger sent {sent} MiB")
+    assert codes == [1, 1], logs
+    assert "node 0's stores are flooded" in logs[0], logs[0]
+    # Node 1 reads node 0's report if the flooded store lets it in time, else says where to look.
+    assert "node 0's stores are flooded" in logs[1] or "check node 0's log" in logs[1], logs[1]
+    assert peak - base < 1024, f"grew by {peak - base} MiB"
+    assert isinstance(sent, int) and sent < limit, sent  # cut off when node 0 ended

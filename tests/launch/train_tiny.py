@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--exit-rank", type=int, default=-1)  # sys.exit(0) at --exit-step
+    parser.add_argument("--exit-step", type=int, default=-1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     return parser.parse_args()
 
@@ -64,6 +67,8 @@ def main() -> None:
     for step in range(start, args.steps):
         if ctx.restart_count == 0 and step == args.kill_step and ctx.rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if ctx.restart_count == 0 and step == args.exit_step and ctx.rank == args.exit_rank:
+            sys.exit(0)  # leaves early, cleanly: its peers wait for it in the next collective
         if ctx.rank == args.raise_rank:
             raise RuntimeError(
                 f"planned failure on rank {ctx.rank} at step {step} (restart {ctx.restart_count})"

@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 
-from lockstep.checkpoint.files import FORMAT_KEY, FORMAT_VERSION, _fsync_directory
+from lockstep.checkpoint.files import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    _fsync_directory,
+    make_directory,
+)
 from lockstep.checkpoint.steps import POINTER, StepEntries
 
 MANIFEST = "lockstep.pt"
@@ -63,6 +68,7 @@ class DcpFiles(StepEntries):
         if keep < 1:
             raise ValueError(f"keep must be at least 1; found {keep}")
         self.directory, self.keep, self.on_point = directory, keep, on_point
+        self.last_written: int | None = None  # in this process: a deleted folder is named
 
     def temp_for(self, step: int) -> Path:
         return self.directory / f".step_{step:08d}.tmp"
@@ -73,7 +79,7 @@ class DcpFiles(StepEntries):
 
     def prepare(self) -> None:
         """Rank 0, before a save: create the directory, remove what interrupted saves left."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory, self.last_written)
         for path in self.directory.glob(".step_*.tmp"):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -101,6 +107,7 @@ class DcpFiles(StepEntries):
         _fsync_directory(self.directory)
         self.point("pointer_updated")
         self.prune(step)
+        self.last_written = step
         return final
 
     def prune(self, current: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,7 @@ class CheckpointFiles(StepEntries):
         self.directory = directory
         self.keep = keep
         self.on_point = on_point
+        self.last_written: int | None = None  # in this process: a deleted folder is named
 
     def _point(self, name: str) -> None:
         if self.on_point is not None:
@@ -78,7 +80,7 @@ class CheckpointFiles(StepEntries):
                 directory, the bytes needed and free, and the cause. The partial file
                 is removed and the last committed checkpoint stays the restore point.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory, self.last_written)
         self._remove_temp_files()
         final = self.path_for(step)
         committed, _ = self.committed_step()
@@ -92,6 +94,7 @@ class CheckpointFiles(StepEntries):
                 describe_write_failure(final, payload, committed, error)
             ) from error
         self.prune(step)
+        self.last_written = step
         return final
 
     def _write_and_commit(self, payload: dict[str, Any], final: Path) -> None:
@@ -208,3 +211,19 @@ class CheckpointFiles(StepEntries):
         """Keep the newest `keep` checkpoints up to `current`; drop older and uncommitted ones."""
         for path in self.to_prune(current, self.keep):
             path.unlink(missing_ok=True)
+
+
+def make_directory(directory: Path, last_written: int | None) -> None:
+    """Create the checkpoint directory; warn when this process had saved into it already.
+
+    A directory that vanished during the run took its checkpoints with it: a restart
+    could only resume from what is saved from now on, which nothing would say.
+    """
+    if last_written is not None and not directory.exists():
+        warnings.warn(
+            f"Checkpointer: the checkpoint directory {directory} was deleted during the run "
+            f"(it held step {last_written} and the checkpoints before it); it is created again, "
+            "and a restart can resume only from the checkpoints saved from now on",
+            stacklevel=4,
+        )
+    directory.mkdir(parents=True, exist_ok=True)

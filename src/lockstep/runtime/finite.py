@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lockstep.errors import NonFiniteGradientError
+from lockstep.errors import NonFiniteGradientError, NonFiniteSkipWarning
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
@@ -229,6 +230,9 @@ class FiniteGuard:
         self.drop_grads()
         if self.mode == NonFinite.SKIP:
             self.skipped += 1
+            if self.rank == 0 and self.skipped & (self.skipped - 1) == 0:  # 1, 2, 4, 8, ...
+                message = skip_message(everyone, self.steps, self.skipped)
+                warnings.warn(message, NonFiniteSkipWarning, stacklevel=2)
             return
         raise NonFiniteGradientError(describe(everyone, self.steps, self.rank))
 
@@ -252,25 +256,40 @@ class FiniteGuard:
         return [r for r in everyone if r is not None]
 
 
+def _per_rank(everyone: list[list[Finding]]) -> str:
+    """ "rank 1: 'fc.weight' holds NaN (and 2 more parameter(s))", for each rank that found one."""
+    return "; ".join(
+        f"rank {found[0].rank}: '{found[0].name}' holds {found[0].kind}"
+        + (f" (and {len(found) - 1} more parameter(s))" if len(found) > 1 else "")
+        for found in everyone
+        if found
+    )
+
+
 def describe(everyone: list[list[Finding]], step: int, rank: int) -> str:
     """The error's text: which ranks, which step, which parameter first, what to do."""
     bad = [found for found in everyone if found]
-    per_rank = "; ".join(
-        f"rank {found[0].rank}: '{found[0].name}' holds {found[0].kind}"
-        + (f" (and {len(found) - 1} more parameter(s))" if len(found) > 1 else "")
-        for found in bad
-    )
     ranks = ", ".join(str(found[0].rank) for found in bad)
     finite = [str(r) for r, found in enumerate(everyone) if not found]
     return (
         f"non-finite gradients at synchronised step {step}, found in rank(s) {ranks}'s own "
-        f"gradients before averaging: {per_rank}. Ranks with finite gradients: "
+        f"gradients before averaging: {_per_rank(everyone)}. Ranks with finite gradients: "
         f"{', '.join(finite) or 'none'}. (raised on rank {rank}; every gradient of the step "
         "was dropped, so the parameters are unchanged.) A NaN or inf loss on a rank gives "
         "such gradients: look at that rank's batch and loss at that step (a log of 0, a "
         "division by zero, a learning rate too high). To skip such steps as a gradient "
         "scaler does, pass nonfinite='skip' to the wrapper (steps whose forward ran under "
         "fp16 autocast are left to torch.amp.GradScaler)."
+    )
+
+
+def skip_message(everyone: list[list[Finding]], step: int, skipped: int) -> str:
+    """The warning of nonfinite="skip" (rank 0, at 1, 2, 4, 8, ... skipped steps)."""
+    return (
+        f"lockstep [rank 0]: skipped synchronised step {step} (nonfinite='skip'): non-finite "
+        f"gradients before averaging in {_per_rank(everyone)}; every gradient of the step "
+        f"was dropped, the parameters are unchanged. {skipped} step(s) skipped so far "
+        "(said at 1, 2, 4, 8, ... skipped steps; the wrapper's `nonfinite.skipped` counts them)"
     )
 
 

@@ -146,7 +146,9 @@ def summarize(reports: dict[int, NodeReport], nnodes: int, node_rank: int) -> st
     """The summary a launcher prints when training fails for good; the same on every node."""
     first = first_failure(reports)
     lines = [f"lockstep run: training failed (this is node {node_rank} of {nnodes})."]
-    if first is not None:
+    if first is not None and first.left_early:  # it raised nothing: say what it did
+        lines.append(f"  first failure: {one_line(first)}")
+    elif first is not None:
         lines.append(f"  first failure: {where(first)}: {first.how}")
         if first.traceback:
             lines += ["      " + line for line in first.traceback]

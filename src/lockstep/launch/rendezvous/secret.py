@@ -15,6 +15,9 @@ import hmac
 import json
 import os
 import secrets
+import stat
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from lockstep.errors import LockstepError
 
 SECRET_VARIABLE = "LOCKSTEP_JOB_SECRET"
 MIN_SECRET_CHARS = 16
+FINGERPRINT_TEXT = b"lockstep job secret fingerprint"
 
 
 class SecretError(LockstepError):
@@ -38,12 +42,7 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
         SecretError: several nodes and no secret given, or one too short to guess-proof.
     """
     if secret_file:
-        try:
-            text = Path(secret_file).read_text().strip()
-        except OSError as error:
-            raise SecretError(
-                f"node {node_rank} cannot read --secret-file {secret_file}: {error.strerror}"
-            ) from None
+        text = _read_secret_file(Path(secret_file), node_rank)
     else:
         text = (read_variable(SECRET_VARIABLE) or "").strip()
     if not text and nnodes == 1:
@@ -65,11 +64,67 @@ def load_secret(nnodes: int, secret_file: str | None, node_rank: int = 0) -> byt
     return text.encode()
 
 
+def _read_secret_file(path: Path, node_rank: int) -> str:
+    """The text of --secret-file: one line, readable by its owner alone.
+
+    A secret that others on the machine (or the shared file system) can read lets
+    them forge every value of the job, so a file with any group or other permission
+    is refused, as ssh refuses such a private key; the fix is one `chmod`.
+    """
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as error:
+        raise SecretError(
+            f"node {node_rank} cannot read --secret-file {path}: {error.strerror}"
+        ) from None
+    if mode & 0o077:
+        raise SecretError(
+            f"node {node_rank}: --secret-file {path} has mode {stat.S_IMODE(mode):o}, so other "
+            f"users can read or change the job's secret; expected 600. Run `chmod 600 {path}`."
+        )
+    text = data.decode("utf-8", errors="replace")
+    if "\ufffd" in text or "\0" in text:
+        at = min(i for i, c in enumerate(text) if c in "\ufffd\0")
+        raise SecretError(
+            f"node {node_rank}: --secret-file {path} is not text (a byte that is not UTF-8 or "
+            f"a NUL at character {at}); expected one line, for example written by "
+            f"`openssl rand -hex 32 > {path}`."
+        )
+    return text.strip()
+
+
+class Seal(Enum):
+    """What a value read from the store turned out to be."""
+
+    ABSENT = "absent"
+    OPEN = "sealed for this key with the job's secret"
+    OTHER_SECRET = "sealed with another secret"
+    NOT_OURS = "sealed for another key, job or round, or forged"
+    MALFORMED = "not a sealed value"
+    DELETED = "deleted (lockstep deletes no key of a round)"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A value read from the store: its seal, its value (OPEN only), its secret's fingerprint."""
+
+    seal: Seal
+    value: Any = None
+    fingerprint: str = ""
+
+
 class Signer:
-    """Seals values with the job's secret, and opens only those it sealed."""
+    """Seals values with the job's secret, and opens only those it sealed.
+
+    Every sealed value also carries the secret's fingerprint (an HMAC of a constant:
+    it tells secrets apart without revealing them), so a node whose secret differs
+    is named as such instead of looking like a node that never wrote.
+    """
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
+        self.fingerprint = hmac.new(secret, FINGERPRINT_TEXT, hashlib.sha256).hexdigest()[:16]
 
     def _mac(self, key: str, text: str) -> str:
         message = key.encode() + b"\0" + text.encode()
@@ -78,19 +133,26 @@ class Signer:
     def seal(self, key: str, value: Any) -> str:
         """`value` as JSON, with the HMAC of (key, JSON): the value to store under `key`."""
         text = json.dumps(value, sort_keys=True)
-        return json.dumps({"v": text, "mac": self._mac(key, text)})
+        return json.dumps({"v": text, "mac": self._mac(key, text), "id": self.fingerprint})
 
     def open(self, key: str, stored: str | bytes | None) -> Any | None:
         """The value sealed under `key`; None when absent, malformed or not sealed by us."""
+        return self.inspect(key, stored).value
+
+    def inspect(self, key: str, stored: str | bytes | None) -> Opened:
+        """What `stored` (read under `key`) is: our sealed value, or why it is not one."""
         if not stored:
-            return None
+            return Opened(Seal.ABSENT)
         try:
             outer = json.loads(stored)
             text, mac = outer["v"], outer["mac"]
             if not (isinstance(text, str) and isinstance(mac, str)):
-                return None
-            if not hmac.compare_digest(mac, self._mac(key, text)):
-                return None
-            return json.loads(text)
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
-            return None
+                return Opened(Seal.MALFORMED)
+            if hmac.compare_digest(mac, self._mac(key, text)):
+                return Opened(Seal.OPEN, json.loads(text), self.fingerprint)
+            theirs = outer.get("id")
+            if isinstance(theirs, str) and theirs != self.fingerprint:
+                return Opened(Seal.OTHER_SECRET, None, theirs[:16])
+            return Opened(Seal.NOT_OURS, None, self.fingerprint)
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            return Opened(Seal.MALFORMED)

@@ -22,10 +22,12 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from lockstep.launch.diagnostics.report import describe, restart_line
 from lockstep.launch.recovery import LiveRecovery
-from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeRankRendezvousError
+from lockstep.launch.rendezvous.flood import StoreFloodError
+from lockstep.launch.rendezvous.foreign import SECURITY_DOC, WINDOW_S
+from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.store import StoreLostError, StoreUnreachable
 from lockstep.launch.supervise import group
-from lockstep.launch.watches.exits import ExitWatch
+from lockstep.launch.watches.exits import ExitWatch, ended_path
 from lockstep.launch.watches.stall import StallWatch
 from lockstep.launch.watches.watchdog import Watchdog
 
@@ -76,6 +78,7 @@ class LockstepAgent(LocalElasticAgent):
         self._grace_s = grace_s
         self._silence_s = silence_s
         self._posted = False
+        self._done_since: float | None = None
         self.store_lost = False
         self.reports: dict[int, group.NodeReport] = {}
         self._beats: dict[int, tuple[int, float]] = {}
@@ -111,7 +114,8 @@ class LockstepAgent(LocalElasticAgent):
         self._remaining_restarts = count
 
     def _beat(self) -> None:
-        """Post a sealed, ever-growing count: a stranger can neither fake nor replay it."""
+        """Post a sealed, ever-growing count under this job's and round's key: a stranger
+        can neither fake it nor replay one of another job or round."""
         key = group.ALIVE_KEY.format(node=self.node_rank)
         beat = 0
         while not self._stop_beating.wait(BEAT_S):
@@ -133,7 +137,12 @@ class LockstepAgent(LocalElasticAgent):
         self._watchdog.pet("joining the rendezvous", allow)
         super()._rendezvous(worker_group)
         self._watchdog.pet("starting the workers")
+        if self.rendezvous.round > self.restart_count:  # node 0 was started again
+            spent = self.rendezvous.round
+            self._remaining_restarts = max(0, worker_group.spec.max_restarts - spent)
+            log.warning("the job is in round %d: %d restart(s) already spent", spent, spent)
         self._posted = False
+        self._done_since = None
         self.reports = {}
         self._beats = {}
         if self._stalls is not None:
@@ -192,20 +201,66 @@ class LockstepAgent(LocalElasticAgent):
             if self.recovery is not None:
                 self.recovery.explain(self)
             host = self.rendezvous.me.host
+            early = self._early_exits(worker_group)  # stopped in their teardown, if at all
             failures = [
-                describe(rank, failure, self.node_rank, host)
+                early.pop(rank, None) or describe(rank, failure, self.node_rank, host)
                 for rank, failure in sorted(result.failures.items())
             ]
-            self._end_round("workers failed", failures)
+            self._end_round("workers failed", failures + list(early.values()))
         elif result.state == WorkerState.HEALTHY:
             cause = self._peer_trouble(worker_group)
             if cause:
-                self._end_round(cause, [])
+                self._end_round(cause, list(self._early_exits(worker_group).values()))
                 return RunResult(state=WorkerState.FAILED)
             waiting = self.recovery is not None and self.recovery.waiting
             if self._stalls is not None and not waiting:
                 return self._check_stall(worker_group, result)
+        elif result.state == WorkerState.SUCCEEDED and self.rendezvous.nnodes > 1:
+            return self._finished(worker_group, result)
         return result
+
+    def _finished(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """This node's workers all succeeded: keep watching until every node's did.
+
+        A rank that leaves early (`sys.exit(0)`) may be a node's only worker: its node
+        would otherwise wait at torch's exit barrier while its peers fail with the echo
+        ("Connection closed by peer"), and no report would name it. Here a peer's report
+        (or silence) ends the round with this node's finished workers in the report.
+        """
+        if self._done_since is None:
+            self.rendezvous.put(group.DONE_KEY.format(node=self.node_rank), True)
+            self._done_since = time.monotonic()
+        waited = time.monotonic() - self._done_since
+        if waited > self._exit_barrier_timeout or group.all_done(
+            self.rendezvous, self.rendezvous.nnodes
+        ):
+            return result
+        cause = self._peer_trouble(worker_group)
+        if not cause:
+            return RunResult(state=WorkerState.HEALTHY)
+        self._end_round(cause, list(self._early_exits(worker_group).values()))
+        return RunResult(state=WorkerState.FAILED)
+
+    def _early_exits(self, worker_group: WorkerGroup) -> dict[int, group.WorkerFailure]:
+        """This node's workers whose script ended well (the bootstrap's note), by rank."""
+        if self._exits is None:
+            return {}
+        found = {}
+        for worker in worker_group.workers:
+            note = ended_path(self._exits.directory, worker.local_rank)
+            if not note.exists():
+                continue
+            found[worker.global_rank] = group.WorkerFailure(
+                rank=worker.global_rank,
+                local_rank=worker.local_rank,
+                node_rank=self.node_rank,
+                host=self.rendezvous.me.host,
+                pid=worker.id or 0,
+                how=group.LEFT_EARLY,
+                message=group.EARLY_MESSAGE,
+                detected=note.stat().st_mtime,
+            )
+        return found
 
     def _check_stall(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         """End the round when the workers stopped progressing (`lockstep.launch.watches.stall`)."""
@@ -219,22 +274,40 @@ class LockstepAgent(LocalElasticAgent):
 
     def _peer_trouble(self, worker_group: WorkerGroup) -> str | None:
         """Why this node should stop although its own workers are fine, or None."""
-        aborted = self.rendezvous.take("abort")  # a late node claimed a rank already held
-        if isinstance(aborted, str):
-            raise NodeRankRendezvousError(aborted)
-        if group.read_reports(self.rendezvous, self.rendezvous.nnodes):  # sealed ones only
+        try:
+            self.rendezvous.watch()  # a late node claimed a rank already held: it raises
+        except StoreFloodError as error:  # node 0: stop every node, for good, saying why
+            log.error("%s", error)
+            self._end_round(str(error), [], final=True)
+            return str(error)
+        reports = group.read_reports(self.rendezvous, self.rendezvous.nnodes)  # sealed only
+        if reports:
+            self.reports = reports  # kept should the store go before the exchange
             return "stopped its workers after a failure on another node"
         lost = self._silent_nodes()
         if self.recovery is not None:  # a live job waits for a lost node (`recovery/nodes.py`)
             lost = self.recovery.judge(self, lost)
         if lost:
-            nodes = ", ".join(map(str, lost))
-            return (
-                f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s (the network "
-                f"between node {self.node_rank} ({self.rendezvous.me.addr}) and "
-                f"{self._describe_nodes(lost)} failed, or it stopped)"
-            )
+            return self._lost_line(lost)
         return None
+
+    def _lost_line(self, lost: list[int]) -> str:
+        """Why `lost` count as lost: silence, or a heartbeat that others overwrote."""
+        nodes = ", ".join(map(str, lost))
+        heard = f"lost node {nodes}: no heartbeat for {self._silence_s:.0f} s"
+        keys = [self.rendezvous.key(group.ALIVE_KEY.format(node=node)) for node in lost]
+        tampered = sum(self.rendezvous.foreign.count(key) for key in keys)
+        if tampered:
+            return (
+                f"{heard}, but its heartbeat ({', '.join(keys)}) was overwritten or deleted "
+                f"{tampered} time(s) in the last {WINDOW_S:.0f} s by something other than the "
+                "job: a host on the network writes into the launchers' store (the network may "
+                f"be fine); allow the store's port to the training nodes only ({SECURITY_DOC})"
+            )
+        return (
+            f"{heard} (the network between node {self.node_rank} ({self.rendezvous.me.addr}) "
+            f"and {self._describe_nodes(lost)} failed, or it stopped)"
+        )
 
     def _describe_nodes(self, nodes: list[int]) -> str:
         known = self.rendezvous.nodes
@@ -283,10 +356,11 @@ class LockstepAgent(LocalElasticAgent):
             if not reachable:
                 raise StoreUnreachable(f"the store at {self.rendezvous.endpoint} did not answer")
             group.post(self.rendezvous, report)
-            self.reports = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
+            gathered = group.gather(self.rendezvous, self.rendezvous.nnodes, grace)
+            self.reports = {**gathered, me.node_rank: report}  # its own, even if deleted there
         except StoreUnreachable as error:  # cut off: the others learn it from the silence
             log.warning("could not exchange failure reports: %s", error)
-            self.reports = {me.node_rank: report}
+            self.reports = {**self.reports, me.node_rank: report}  # and those read before
         if any(r.final for r in self.reports.values()):
             self._remaining_restarts = 0  # a node that was stopped will not come back
 

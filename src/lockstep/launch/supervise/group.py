@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 REPORT_KEY = "report/{node}"  # keys within the current rendezvous round
 LEFT_KEY = "left/{node}"
+DONE_KEY = "done/{node}"  # a node whose workers all succeeded
+LEFT_EARLY = "exit code 0"
+EARLY_MESSAGE = (
+    "its script ended (sys.exit(0), or a return) while other ranks were still running: "
+    "they then lose it in their next collective"
+)
 ALIVE_KEY = "alive/{node}"  # a node's heartbeat, a sealed growing count
 # Messages that mean "a peer went away", the echo of a failure rather than its cause.
 _ECHO = re.compile(
@@ -45,10 +51,17 @@ class WorkerFailure:
     detected: float = 0.0  # wall-clock time the launcher saw it
 
     @property
+    def left_early(self) -> bool:
+        """True for a worker whose script ended well while the round failed around it."""
+        return self.how == LEFT_EARLY
+
+    @property
     def is_echo(self) -> bool:
         """True when this failure looks caused by another one (a dropped connection, a stop)."""
         if "SIGTERM" in self.how or "SIGINT" in self.how:
             return True
+        if self.left_early:
+            return False
         return bool(_ECHO.search(self.message))
 
 
@@ -109,11 +122,17 @@ def gather(board: LockstepRendezvous, nnodes: int, grace_s: float) -> dict[int, 
 
 
 def first_failure(reports: dict[int, NodeReport]) -> WorkerFailure | None:
-    """The failure most likely to be the cause: a real error before its echoes, then earliest."""
+    """The failure most likely to be the cause: a real error, else a rank that left early
+    (its peers' errors are echoes of it), else the earliest echo."""
     failures = [f for report in reports.values() for f in report.failures]
     if not failures:
         return None
-    return min(failures, key=lambda f: (f.is_echo, f.detected, f.rank))
+    return min(failures, key=lambda f: (f.is_echo, f.left_early, f.detected, f.rank))
+
+
+def all_done(board: LockstepRendezvous, nnodes: int) -> bool:
+    """Whether every node posted that its workers all succeeded in this round."""
+    return all(board.take(DONE_KEY.format(node=node)) is True for node in range(nnodes))
 
 
 def leave(board: LockstepRendezvous, expected: int, wait_s: float) -> None:

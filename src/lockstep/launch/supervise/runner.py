@@ -39,8 +39,10 @@ from lockstep.launch.diagnostics.report import summarize
 from lockstep.launch.recovery import LiveRecovery
 from lockstep.launch.recovery.stuck import StuckReplacer
 from lockstep.launch.rendezvous import store
+from lockstep.launch.rendezvous.claims import NodeInfo, NodeRankRendezvousError
+from lockstep.launch.rendezvous.foreign import MISMATCH_S, SecretMismatchError
 from lockstep.launch.rendezvous.netif import Route
-from lockstep.launch.rendezvous.rounds import LockstepRendezvous, NodeInfo, NodeRankRendezvousError
+from lockstep.launch.rendezvous.rounds import LockstepRendezvous
 from lockstep.launch.rendezvous.secret import Signer, load_secret
 from lockstep.launch.rendezvous.store import BoundedStore
 from lockstep.launch.supervise import group, scratch
@@ -54,6 +56,7 @@ from lockstep.runtime import progress
 log = logging.getLogger("lockstep.run")
 GRACE_S = 3.0  # how long a node waits for the others' reports after a failure
 ABORT_LINGER_S = 1.5  # node 0 after a duplicated --node-rank: the others poll every 0.1 s
+MISMATCH_LINGER_S = MISMATCH_S + 1.0  # node 0 after a foreign secret: node 1 may see it later
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -253,10 +256,12 @@ def _supervise(cfg: RunConfig, agent: LockstepAgent) -> tuple[int, bool]:
     except KeyboardInterrupt:
         agent.announce_stop("its launcher was interrupted (SIGINT)")
         return 128 + int(signal.SIGINT), True
-    except NodeRankRendezvousError as error:
+    except (NodeRankRendezvousError, SecretMismatchError) as error:
         log.error("%s", _rendezvous_message(cfg, agent, error))
-        if cfg.node_rank == 0:  # keep the store up while every holder of the rank reads it
-            time.sleep(ABORT_LINGER_S)
+        if cfg.node_rank == 0:  # keep the store up while the other nodes read it and say so
+            time.sleep(
+                ABORT_LINGER_S if isinstance(error, NodeRankRendezvousError) else MISMATCH_LINGER_S
+            )
         return 1, False
     except (LockstepError, RendezvousError) as error:
         log.error("%s", _rendezvous_message(cfg, agent, error))
