@@ -5,10 +5,12 @@
     python benchmarks/recovery.py --repeats 3 --out /tmp/recovery
 
 A setup (SETUPS) says where the job runs and what is killed; a mode (MODES) says how
-it recovers: `lockstep run` flags, or torchft's own job. Each is one table entry, so
-a new mode is one line. benchmarks/recovery_train.py (DDP, Adam, dropout, a
-checkpoint every 10 steps) runs once uninterrupted per setup (the oracle), then once
-per mode and repeat, interleaved, with the victim killed inside backward of step 13:
+it recovers: `lockstep run` flags ("live": the fork server's child takes the rank;
+"live (no fork server)": a new process; "live + 1 spare": a standby process), or
+torchft's own job. Each is one table entry, so a new mode is one line.
+benchmarks/recovery_train.py (DDP, Adam, dropout, a checkpoint every 10 steps) runs
+once uninterrupted per setup (the oracle), then once per mode and repeat, interleaved,
+with the victim killed inside backward of step 13:
 - one node x 2: rank 1 SIGKILLs itself;
 - two nodes x 2: two network namespaces (root), rank 3 (on node 1) SIGKILLs itself;
 - lost node: rank 3 holds at that point, every process of node 1's namespace (its
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -61,7 +64,8 @@ SETUPS = {
     "lost node": Setup(nodes=2, victim=3, lose_node=True),
 }
 MODES = {
-    "live": Mode(("--live-recovery",)),
+    "live": Mode(("--live-recovery",)),  # a child of the node's fork server takes the rank
+    "live (no fork server)": Mode(("--live-recovery", "--no-fork-server")),  # a new process
     "live + 1 spare": Mode(("--live-recovery", "--spares", "1")),
     "restart": Mode(("--max-restarts", "1")),
     "torchft": Mode(("--wrapper", "ddp"), torchft=True, setups=("one node x 2",)),
@@ -114,6 +118,7 @@ class Bench:
             print(name, "|", mode_name, "| refused:", refused, flush=True)
             return
         got = measure(out, self.oracle(name, setup, mode), self.steps, setup.world)
+        got["load"] = os.getloadavg()[0]  # the machine may be shared: say how busy it was
         self.results.setdefault((name, mode_name), []).append(got)  # type: ignore[union-attr]
         print(name, "|", mode_name, repeat, got, flush=True)
 
@@ -175,6 +180,9 @@ def main() -> None:
     )
     print(HEADER)
     print("\n".join(row(s, m, bench.results[s, m]) for s, m in cells))
+    loads = [r["load"] for runs in bench.results.values() if isinstance(runs, list) for r in runs]
+    if loads:
+        print(f"load average (1 min) at the end of each run: {min(loads):.1f} to {max(loads):.1f}")
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ its own collectives), "optimizer" (before its update), "stepped" (after its
 update), "close" (after the last step STEP, before the Monitor's close) or "ended"
 (after the last step STEP, once every peer's script ended). WHERE+PEER
 ("backward+2") SIGKILLs rank PEER's first process just before (two kills at once).
-Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state) and
-OUT/pids/<rank>.<generation>.<restart> with its pid. `--engine sharded` wraps with
-lockstep.ShardedDataParallel instead (live recovery refuses it). `--monitor` adds a
-`lockstep.Monitor` (a log line and a straggler report every 2 steps: collectives
-between steps; `--trace` a trace too, whose files a barrier in `close()` awaits);
-`--own-collective` an all-reduce of the loss after each step; `--batchnorm` a
-BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
+Each rank writes OUT/final_rank<R>.pt (parameters and optimizer state),
+OUT/pids/<rank>.<generation>.<restart> with its pid and OUT/parents/<the same> with
+its parent's. `--engine sharded` wraps with lockstep.ShardedDataParallel instead
+(live recovery refuses it). `--monitor` adds a `lockstep.Monitor` (a log line and
+a straggler report every 2 steps: collectives between steps; `--trace` a trace
+too, whose files a barrier in `close()` awaits); `--own-collective` an all-reduce of
+the loss after each step; `--batchnorm` a BatchNorm layer, whose buffers DDP
+broadcasts from rank 0 at every forward;
 `--uneven` runs the first 3 steps in DDP's Join, rank 1 one step fewer (it shadows
 rank 0's third), and the others after it. `--strand STEP:A,B` leaves, at STEP, one
 broadcast on the default group that never completes in every first process (`strand`);
@@ -201,7 +202,10 @@ def main() -> None:
     last = checkpoints.restore(model=ddp, optimizer=optimizer)
     start = 0 if last is None else last + 1
     (out / "pids").mkdir(parents=True, exist_ok=True)
-    (out / "pids" / f"{ctx.rank}.{generation}.{ctx.restart_count}").write_text(str(os.getpid()))
+    process = f"{ctx.rank}.{generation}.{ctx.restart_count}"
+    (out / "pids" / process).write_text(str(os.getpid()))
+    (out / "parents").mkdir(parents=True, exist_ok=True)
+    (out / "parents" / process).write_text(str(os.getppid()))  # a fork server's child?
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
     first_process = generation == 0 and ctx.restart_count == 0
     kill_step, where = planned_kill(ctx.rank, first_process)

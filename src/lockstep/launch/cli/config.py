@@ -55,6 +55,8 @@ class RunConfig:
             before it is named with its stack and ended (`lockstep.launch.watches.exits`).
         live_recovery: replace a lost worker live, keeping the others (`launch/recovery/`).
         spares: standby workers per node that take a lost rank (`launch/recovery/spares.py`).
+        fork_server: with live_recovery, a process per node that imported ahead forks the
+            replacement when no spare is idle (`launch/recovery/forks.py`).
         replace_stuck: with live_recovery, a worker the stall watch declares stuck is
             killed and replaced live instead of ending the round (`launch/recovery/stuck.py`).
         rejoin_timeout_s: with live recovery on several nodes, how long the others wait
@@ -79,6 +81,7 @@ class RunConfig:
     trace_dir: str | None = None
     live_recovery: bool = False
     spares: int = 0
+    fork_server: bool = True
     replace_stuck: bool = False
     rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S

@@ -84,6 +84,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "imported torch and lockstep and take a lost rank (docs/multinode.md)",
     )
     run.add_argument(
+        "--no-fork-server",
+        action="store_true",
+        help="with --live-recovery: no fork server (a process per node that has imported "
+        "torch and lockstep and forks a replacement in milliseconds); a new process, which "
+        "imports torch first, takes a lost rank when no spare is idle",
+    )
+    run.add_argument(
         "--replace-stuck",
         action="store_true",
         help="with --live-recovery: a worker the stall watch declares stuck gets SIGKILL "
@@ -172,6 +179,7 @@ def run_config(ns: argparse.Namespace) -> RunConfig:
         extra_env=_extra_env(ns),
         live_recovery=ns.live_recovery,
         spares=ns.spares,
+        fork_server=not ns.no_fork_server,
         replace_stuck=ns.replace_stuck,
         rejoin_timeout_s=ns.rejoin_timeout,
     )

@@ -12,6 +12,8 @@ place (`check`), and, where it looks for silent nodes, which of them end the rou
 | `finished.py` | a loss after the peers' scripts ended: the job ends, never restarted |
 | `generations.py` | generation numbers claimed once for the whole job (compare-and-set) |
 | `spares.py`, `standby.py` | standby workers (`--spares K`) that take a rank at once |
+| `forks.py`, `forkserver.py` | the fork server: its child takes a rank no spare took |
+| `handover.py` | who takes a lost rank; a process that imported ahead becoming the worker |
 | `nodes.py` | node 0's wait for a lost node (`--rejoin-timeout`) |
 | `rejoin.py` | a node started again takes the lost node's place |
 | `stuck.py` | `--replace-stuck`: the stall watch's stuck worker killed, then replaced |
@@ -25,6 +27,7 @@ import os
 from typing import Any
 
 from lockstep.launch.cli.config import RunConfig
+from lockstep.launch.recovery.forks import ForkServer
 from lockstep.launch.recovery.nodes import ANNOUNCE_MARGIN_S, NodeWatch
 from lockstep.launch.recovery.rejoin import Rejoiner
 from lockstep.launch.recovery.replacer import LiveReplacer
@@ -56,7 +59,8 @@ class LiveRecovery:
         longer than a lost node may take."""
         if not cfg.live_recovery:
             return None
-        replacer = LiveReplacer(SparePool(cfg.spares) if cfg.spares else None, exits)
+        spares = SparePool(cfg.spares) if cfg.spares else None
+        replacer = LiveReplacer(spares, exits, ForkServer() if cfg.fork_server else None)
         if cfg.nnodes == 1:
             return cls(replacer, None)
         wait_s = silence_s + cfg.rejoin_timeout_s + ANNOUNCE_MARGIN_S
@@ -77,7 +81,7 @@ class LiveRecovery:
             self.nodes.reset()
 
     def close(self) -> None:
-        """The run is over: end the idle spares."""
+        """The run is over: end the idle spares and the fork server."""
         self.replacer.close()
 
     def check(self, agent: LockstepAgent) -> bool:

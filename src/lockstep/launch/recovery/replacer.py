@@ -7,7 +7,8 @@ in the worker store (`lockstep.live.group` keys, posted by `live/registry.py`), 
 replaced in place: its generation is claimed and announced in the store, where the
 survivors wait for it (`generations.claim`, one number for the whole job), and a new
 process starts with the same rank, arguments and environment plus that generation
-(with `--spares K`, an idle standby process takes the rank instead: `launch/recovery/spares.py`).
+(an idle standby process takes the rank instead with `--spares K`, `spares.py`, else a
+child of the node's fork server, `forks.py`: `handover.py`).
 Deaths that come together are claimed together (`settle.py`); a rank lost after its
 peers' scripts ended is not replaced, and the job ends without a restart
 (`finished.py`). Anything else is left to torch's poll, that is today's whole-group
@@ -27,8 +28,10 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from lockstep.launch.diagnostics.report import scripts_collective
 from lockstep.launch.recovery import finished, generations
+from lockstep.launch.recovery.forks import ForkServer
+from lockstep.launch.recovery.handover import Taker, start_worker
 from lockstep.launch.recovery.settle import settle
-from lockstep.launch.recovery.spares import SparePool, start_worker
+from lockstep.launch.recovery.spares import SparePool
 from lockstep.launch.watches.exits import ExitWatch
 from lockstep.live import group as live_group
 from lockstep.live import keys, lines
@@ -88,8 +91,14 @@ class LiveReplacer:
             failed, with no restart (`finished.py`).
     """
 
-    def __init__(self, spares: SparePool | None = None, exits: ExitWatch | None = None) -> None:
+    def __init__(
+        self,
+        spares: SparePool | None = None,
+        exits: ExitWatch | None = None,
+        forks: ForkServer | None = None,
+    ) -> None:
         self.spares = spares  # standby workers (--spares), taken before a new process
+        self.forks = forks  # the node's fork server, asked when no spare is idle
         self.exits = exits  # which workers' scripts ended (`launch/watches/exits.py`)
         self.generation = 0
         self.recoveries: list[tuple[int, float]] = []
@@ -157,6 +166,8 @@ class LiveReplacer:
         self._check_joined(worker_group, world_size)
         if self.spares is not None:
             self.spares.refill(recovering=self._pending is not None)
+        if self.forks is not None:
+            self.forks.start()
         if self.finish is None and not self._refused and (failed or self._pending):
             self._check_finished(pcontext, worker_group, failed)
         if self.finish is not None:
@@ -277,7 +288,7 @@ class LiveReplacer:
                 **pcontext.envs[local_rank],
                 live_group.GENERATION_VARIABLE: str(self.generation),
             }
-            handler = start_worker(self.spares, pcontext, local_rank, env)
+            handler = start_worker(self._takers(), pcontext, local_rank, env)
             pcontext.subprocess_handlers[local_rank] = handler
             group.workers[local_rank].id = handler.proc.pid
             log.warning(
@@ -291,10 +302,16 @@ class LiveReplacer:
             )
         self._pending = (self.generation, time.monotonic())
 
+    def _takers(self) -> list[Taker]:
+        """Who may take a lost rank before a new process: spares first, then the fork server."""
+        return [taker for taker in (self.spares, self.forks) if taker is not None]
+
     def close(self) -> None:
-        """The run is over: end the idle spares."""
+        """The run is over: end the idle spares and the fork server."""
         if self.spares is not None:
             self.spares.close()
+        if self.forks is not None:
+            self.forks.close()
 
     def _check_joined(self, group: WorkerGroup, world_size: int) -> None:
         """Log the end of a recovery once every rank is in the new generation."""

@@ -3,11 +3,12 @@
 A replacement started from nothing spends most of a live recovery starting Python
 and importing torch. `SparePool` keeps K processes per node that have done that
 already (`launch/recovery/standby.py`) and hold no rank: they are not in any rendezvous,
-group or world size. When `LiveReplacer` replaces a worker, `start_worker` hands
+group or world size. When `LiveReplacer` replaces a worker, `handover.start_worker` hands
 the worker's environment and arguments to an idle spare, which then runs the
 script, and its handle takes the worker's place in torch's process context (exit
 codes, stop and restart as for any worker). A new spare is started in its place
-once the recovery is over. Spares die with the launcher (the kernel's parent-death
+once the recovery is over (`handover.py` has what spares share with the fork server's
+children). Spares die with the launcher (the kernel's parent-death
 signal, like the workers) and are killed when the run ends.
 """
 
@@ -24,37 +25,19 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from torch.distributed.elastic.multiprocessing.subprocess_handler import (
-    SubprocessHandler,
-    get_subprocess_handler,
-)
+from lockstep.launch.recovery.handover import ReadyHandler
 
 log = logging.getLogger("lockstep.run")
 REFILL_DELAY_S = 0.5  # after a recovery formed: keep the start of a new spare out of it
 PIPE_BYTES = 1 << 20  # the assignment is written at once: the spare may still be importing
 MAX_DEATHS = 3  # idle spares that died before the pool stops starting new ones
 REAP_S = 5.0
-BOOTSTRAP = (
-    "-u",
-    "-m",
-    "lockstep.launch.supervise.bootstrap",
-)  # how torch's agent starts our workers
 
 
 class Spare(NamedTuple):
     proc: subprocess.Popen
     pipe: int  # the write end of the spare's assignment pipe
     capacity: int  # bytes the pipe holds
-
-
-class SpareHandler(SubprocessHandler):
-    """torch's handle on a worker, for a spare that runs already (nothing to start)."""
-
-    def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:  # no super: no Popen
-        self.proc = proc
-        self.local_rank_id = local_rank
-        self._stdout = None  # the spare opened its own output files
-        self._stderr = None
 
 
 class SparePool:
@@ -82,12 +65,12 @@ class SparePool:
         while len(self._idle) < self.size:
             self._idle.append(self._start())
 
-    def assign(self, local_rank: int, assignment: dict[str, Any]) -> SpareHandler | None:
+    def assign(self, local_rank: int, assignment: dict[str, Any]) -> ReadyHandler | str:
         """Send the worker's environment, arguments and output files to an idle spare.
 
         Returns:
-            The spare's handle (it is now the worker), or None when no idle spare is alive
-            or the assignment does not fit in its pipe at once.
+            The spare's handle (it is now the worker), or why none took it: no idle spare
+            is alive, or the assignment does not fit in its pipe at once.
         """
         self._drop_dead()
         message = json.dumps(assignment).encode()
@@ -102,8 +85,10 @@ class SparePool:
             finally:
                 os.close(spare.pipe)
             log.warning("spare pid %d takes local rank %d", spare.proc.pid, local_rank)
-            return SpareHandler(spare.proc, local_rank)
-        return None
+            return ReadyHandler(spare.proc, local_rank)
+        if self._idle:
+            return f"the assignment ({len(message)} bytes) does not fit a spare's pipe at once"
+        return "no idle spare"
 
     def close(self) -> None:
         """Kill and reap every idle spare (the run is over)."""
@@ -146,39 +131,3 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=REAP_S)
     except subprocess.TimeoutExpired:
         log.warning("spare pid %d did not end within %.0f s of SIGKILL", proc.pid, REAP_S)
-
-
-def start_worker(
-    pool: SparePool | None, pcontext: Any, local_rank: int, env: dict[str, str]
-) -> SubprocessHandler:
-    """The new worker of `local_rank`: an idle spare if there is one, else a new process.
-
-    Args:
-        pool: this node's spares; None: always a new process.
-        pcontext: torch's process context of the workers (a SubprocessContext).
-        local_rank: the worker's local rank.
-        env: the variables torch's agent gives this worker, with the new generation.
-    """
-    args = [str(arg) for arg in pcontext.args[local_rank]]
-    stdout, stderr = pcontext.stdouts.get(local_rank), pcontext.stderrs.get(local_rank)
-    assignment = {
-        "env": {**os.environ, **env},  # what a new process would inherit, as torch's handler
-        "args": args,
-        "stdout": stdout or "",
-        "stderr": stderr or "",
-    }
-    # a spare runs this interpreter and lockstep's bootstrap, as lockstep run's workers do
-    ours = pcontext.entrypoint == sys.executable and tuple(args[: len(BOOTSTRAP)]) == BOOTSTRAP
-    handler = pool.assign(local_rank, assignment) if pool is not None and ours else None
-    if handler is not None:
-        return handler
-    if pool is not None:
-        log.warning("no idle spare for local rank %d: a new process takes it", local_rank)
-    return get_subprocess_handler(
-        entrypoint=pcontext.entrypoint,
-        args=pcontext.args[local_rank],
-        env=env,
-        stdout=stdout,
-        stderr=stderr,
-        local_rank_id=local_rank,
-    )

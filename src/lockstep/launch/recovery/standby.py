@@ -19,7 +19,7 @@ import select
 import sys
 
 import lockstep.live
-from lockstep.launch.recovery.spares import BOOTSTRAP
+from lockstep.launch.recovery.handover import BOOTSTRAP
 from lockstep.launch.supervise import bootstrap
 
 # Imported before any rank is known: no side effect that depends on the worker's
@@ -75,18 +75,31 @@ def _become(assignment: dict) -> list[str]:
     return args[len(BOOTSTRAP) :]
 
 
-def main(argv: list[str]) -> None:
-    parent, fd = int(argv[1]), int(argv[3])  # --parent PID --fd N
-    bootstrap.die_with(parent)
+def preload() -> None:
+    """Import what a worker imports on its way to its first step (`PRELOAD`)."""
     for name in PRELOAD:
         importlib.import_module(name)
-    assignment = _read_assignment(fd, parent)
-    os.close(fd)
-    if assignment is None:
-        return
+
+
+def run_as_worker(assignment: dict) -> None:
+    """Become the worker the launcher assigned, and run its script as `__main__`.
+
+    The one handover of a process that imported ahead: a spare's, and a fork
+    server's child's (`forkserver.py`).
+    """
     argv = _become(assignment)
     lockstep.live.install()  # read again: the environment at import had no rank, no generation
     bootstrap.main(argv)
+
+
+def main(argv: list[str]) -> None:
+    parent, fd = int(argv[1]), int(argv[3])  # --parent PID --fd N
+    bootstrap.die_with(parent)
+    preload()
+    assignment = _read_assignment(fd, parent)
+    os.close(fd)
+    if assignment is not None:
+        run_as_worker(assignment)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""The fork server: one process per node that imported ahead, and forks replacement workers.
+
+`lockstep run --live-recovery` starts one per node (`forks.py`; not with
+`--no-fork-server`) as `python -u -m lockstep.launch.recovery.forkserver --parent PID
+--fd N`. It imports what a spare imports (`standby.PRELOAD`), moves those objects out
+of the garbage collector's reach (`gc.freeze`, so a child's collections do not write to,
+and so copy, the shared pages) and waits on the socket N. For each lost worker the
+launcher sends the assignment a spare gets (`handover.assignment`); the server checks
+that it still runs one thread, forks, and answers the child's pid. The child becomes
+the worker exactly as a spare does (`standby.run_as_worker`). The server is the child's
+parent: it reports the child's exit status and reaps it once the launcher has read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import select
+import socket
+import sys
+from typing import Any
+
+from lockstep.launch.recovery import standby
+from lockstep.launch.supervise import bootstrap
+
+POLL_S = 1.0  # how often an idle server checks that its launcher is still there
+
+
+def threads_reason() -> str | None:
+    """Why this process may not fork (more than one thread), or None.
+
+    A fork copies only the calling thread: a lock another thread held (in malloc, in an
+    OpenMP or BLAS pool, in Python's own state) would stay locked in the child forever.
+    """
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"))
+    except OSError as error:
+        return f"cannot count its threads ({error})"
+    if len(tasks) == 1:
+        return None
+    names = []
+    for task in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as fp:
+            names.append(f"{task} {fp.read().strip()}")
+    return f"it runs {len(tasks)} threads ({', '.join(names)}) where a fork needs 1"
+
+
+def exit_code(pid: int) -> int:
+    """The ended child's exit code as Popen gives it (-N: killed by signal N); not reaped."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    if info is None:  # cannot be: the child's pidfd said it ended
+        return -1
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+class Server:
+    """The server's loop: requests from the launcher, its children's ends.
+
+    Args:
+        channel: the socket to the launcher (`forks.ForkServer`), one JSON object a line.
+        parent: the launcher's pid.
+    """
+
+    def __init__(self, channel: socket.socket, parent: int) -> None:
+        self.channel = channel
+        self.parent = parent
+        self.children: dict[int, int] = {}  # pidfd -> pid, until the child ends
+        self.buffer = b""
+
+    def serve(self) -> dict[str, Any] | None:
+        """Serve until the launcher has gone: None. In a forked child, its assignment."""
+        reason = threads_reason()
+        if reason is not None:
+            self.send({"refused": reason})
+            return None
+        self.send({"ready": os.getpid()})
+        while True:
+            ready, _, _ = select.select([self.channel, *self.children], [], [], POLL_S)
+            if not ready and os.getppid() != self.parent:
+                return None
+            for fd in ready:
+                if fd is not self.channel:
+                    self.report(fd)
+                    continue
+                requests = self.receive()
+                if requests is None:
+                    return None
+                for request in requests:
+                    assignment = self.handle(request)
+                    if assignment is not None:
+                        return assignment
+
+    def receive(self) -> list[dict[str, Any]] | None:
+        """The complete requests read now; None when the launcher closed the socket."""
+        data = self.channel.recv(1 << 16)
+        if not data:
+            return None
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in lines]
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """Fork for a `fork` request (the child gets its assignment back); reap for `reap`."""
+        if "reap" in request:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(request["reap"], 0)
+            return None
+        reason = threads_reason()
+        if reason is not None:
+            self.send({"refused": reason})
+            raise SystemExit(1)
+        server = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self.leave(server)
+            return request["fork"]
+        self.children[os.pidfd_open(pid)] = pid
+        self.send({"forked": pid, "id": request["id"]})
+        return None
+
+    def leave(self, server: int) -> None:
+        """In the child: its own session (as torch starts workers), none of the server's
+        descriptors, and death with the server (which dies with the launcher)."""
+        os.setsid()
+        for pidfd in self.children:
+            os.close(pidfd)
+        self.channel.close()
+        bootstrap.die_with(server)
+
+    def report(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        os.close(pidfd)
+        self.send({"ended": pid, "code": exit_code(pid)})
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.channel.sendall(json.dumps(message).encode() + b"\n")
+
+
+def main(argv: list[str]) -> None:
+    parent, fd = int(argv[1]), int(argv[3])  # --parent PID --fd N
+    bootstrap.die_with(parent)
+    standby.preload()
+    gc.freeze()
+    channel = socket.socket(fileno=fd)
+    try:
+        assignment = Server(channel, parent).serve()
+    except OSError:  # the launcher has gone (a broken pipe): nothing to serve
+        return
+    if assignment is not None:  # a child, out of the server's loop
+        standby.run_as_worker(assignment)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
