@@ -33,6 +33,10 @@ READY_WAIT_S = 10.0  # a loss before the server finished its imports: it is stil
 REPLY_S = 10.0  # a fork takes milliseconds; past this the server is ended
 REAP_S = 5.0
 POLL_S = 0.01  # ForkedProcess.wait's interval
+# numpy's OpenBLAS would start a thread pool at import (torch imports numpy), and a
+# process that forks must run one thread: its child gets the worker's count back
+# (`forkserver.restore_blas`).
+SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def _describe(code: int) -> str:
@@ -66,7 +70,12 @@ class ForkServer:
         argv = [sys.executable, "-u", "-m", "lockstep.launch.recovery.forkserver"]
         argv += ["--parent", str(os.getpid()), "--fd", str(theirs.fileno())]
         # Its own session, as torch starts workers: Ctrl-C reaches the launcher alone.
-        self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **SERVER_ENV},
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+        )
         theirs.close()
         self._channel = ours
         log.info("fork server pid %d started", self.proc.pid)

@@ -2,7 +2,8 @@
 
 `lockstep run --live-recovery` starts one per node (`forks.py`; not with
 `--no-fork-server`) as `python -u -m lockstep.launch.recovery.forkserver --parent PID
---fd N`. It imports what a spare imports (`standby.PRELOAD`), moves those objects out
+--fd N`. It imports what a spare imports (`standby.PRELOAD`; numpy's BLAS with one
+thread, the child given the worker's count: `restore_blas`), moves those objects out
 of the garbage collector's reach (`gc.freeze`, so a child's collections do not write to,
 and so copy, the shared pages) and waits on the socket N. For each lost worker the
 launcher sends the assignment a spare gets (`handover.assignment`); the server checks
@@ -14,6 +15,7 @@ parent: it reports the child's exit status and reaps it once the launcher has re
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -26,6 +28,15 @@ from lockstep.launch.recovery import standby
 from lockstep.launch.supervise import bootstrap
 
 POLL_S = 1.0  # how often an idle server checks that its launcher is still there
+# numpy's OpenBLAS (torch imports numpy) starts its thread pool at import, sized by these
+# variables in this order, else by the cores: the server is started with the first at 1
+# (`forks.ForkServer.start`).
+BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+BLAS_SETTERS = (
+    "scipy_openblas_set_num_threads64_",  # numpy 2's bundled OpenBLAS
+    "openblas_set_num_threads64_",  # numpy 1's
+    "openblas_set_num_threads",  # a system OpenBLAS
+)
 
 
 def threads_reason() -> str | None:
@@ -53,6 +64,31 @@ def exit_code(pid: int) -> int:
     if info is None:  # cannot be: the child's pidfd said it ended
         return -1
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def blas_threads(env: dict[str, str]) -> int:
+    """The thread count a new worker's OpenBLAS takes from `env` at import."""
+    cores = len(os.sched_getaffinity(0))
+    for name in BLAS_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), cores)
+    return cores
+
+
+def restore_blas(env: dict[str, str]) -> None:
+    """In the child: give OpenBLAS the thread count a new worker's would have (the server
+    imported it with one), so the script's numpy runs as in any worker."""
+    threads = blas_threads(env)
+    if threads <= 1:
+        return
+    with open("/proc/self/maps") as fp:
+        paths = {line.split()[-1] for line in fp if "openblas" in line.lower() and "/" in line}
+    for path in paths:
+        library = ctypes.CDLL(path)  # loaded already: its handle
+        setter = next((getattr(library, n) for n in BLAS_SETTERS if hasattr(library, n)), None)
+        if setter is not None:
+            setter(ctypes.c_int(threads))
 
 
 class Server:
@@ -149,6 +185,7 @@ def main(argv: list[str]) -> None:
     except OSError:  # the launcher has gone (a broken pipe): nothing to serve
         return
     if assignment is not None:  # a child, out of the server's loop
+        restore_blas(assignment["env"])
         standby.run_as_worker(assignment)
 
 
