@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from lockstep.launch.recovery import standby
+from lockstep.launch.recovery.handover import BOOTSTRAP
 from lockstep.launch.supervise import bootstrap
 
 POLL_S = 1.0  # how often an idle server checks that its launcher is still there
@@ -89,6 +90,16 @@ def restore_blas(env: dict[str, str]) -> None:
         setter = next((getattr(library, n) for n in BLAS_SETTERS if hasattr(library, n)), None)
         if setter is not None:
             setter(ctypes.c_int(threads))
+
+
+def with_parent(assignment: dict[str, Any], parent: int) -> dict[str, Any]:
+    """The assignment with bootstrap's `--parent` set to `parent`: the child dies with the
+    server, its parent (and the server with the launcher), not with the launcher it names."""
+    args = list(assignment["args"])
+    at = len(BOOTSTRAP)
+    if args[at : at + 1] == ["--parent"]:
+        args[at + 1] = str(parent)
+    return {**assignment, "args": args}
 
 
 class Server:
@@ -186,7 +197,7 @@ def main(argv: list[str]) -> None:
         return
     if assignment is not None:  # a child, out of the server's loop
         restore_blas(assignment["env"])
-        standby.run_as_worker(assignment)
+        standby.run_as_worker(with_parent(assignment, os.getppid()))
 
 
 if __name__ == "__main__":
