@@ -67,6 +67,9 @@ MODES = {
     "live": Mode(("--live-recovery",)),  # a child of the node's fork server takes the rank
     "live (no fork server)": Mode(("--live-recovery", "--no-fork-server")),  # a new process
     "live + 1 spare": Mode(("--live-recovery", "--spares", "1")),
+    "live + 1 spare (no fork server)": Mode(
+        ("--live-recovery", "--spares", "1", "--no-fork-server")
+    ),
     "restart": Mode(("--max-restarts", "1")),
     "torchft": Mode(("--wrapper", "ddp"), torchft=True, setups=("one node x 2",)),
     "torchft manual": Mode(("--wrapper", "manual"), torchft=True, setups=("one node x 2",)),
