@@ -122,7 +122,8 @@ class ForkServer:
         """The run is over: end the server (a child still running dies with it) and reap it."""
         if self.proc is None:
             return
-        self._end(REAP_S)
+        self._receive()
+        self._end(REAP_S if self._ready else 0)  # one still importing reads no socket yet
         code = self.proc.returncode
         ended = "has not ended" if code is None else f"ended with the run ({_describe(code)})"
         log.info("fork server pid %d %s", self.proc.pid, ended)
