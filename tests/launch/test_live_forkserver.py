@@ -12,6 +12,7 @@ may outlive the run or a SIGKILLed launcher.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -22,6 +23,8 @@ import pytest
 from launchkit import Launcher
 from test_live_recovery import SCRIPT, _assert_bitwise, _run
 from test_live_spares import _assert_gone, _pid
+
+from lockstep.launch.cli.parser import add_parser, run_config
 
 SERVER = re.compile(r"fork server pid (\d+) started")
 WAIT_S = 150
@@ -116,3 +119,12 @@ def test_the_fork_server_and_its_child_die_with_a_killed_launcher(tmp_path):
     log = launcher.log()
     server = _server(log)
     _assert_gone([server, child, _pid(tmp_path, "0.0.0")], log)
+
+
+def test_the_fork_server_is_on_unless_turned_off():
+    """--live-recovery has a fork server; --no-fork-server turns it off."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert run_config(parser.parse_args(["run", "--live-recovery", SCRIPT])).fork_server
+    flags = ["run", "--live-recovery", "--no-fork-server", SCRIPT]
+    assert not run_config(parser.parse_args(flags)).fork_server
