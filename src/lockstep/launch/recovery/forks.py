@@ -1,14 +1,11 @@
 """The node's fork server, seen from the launcher: start it, ask it for a worker, end it.
 
-A replacement started from nothing spends seconds starting Python and importing
-torch. Under `--live-recovery` each launcher starts one fork server
-(`forkserver.py`) at its first watch step: a process that imported what a worker
-imports and holds no rank. When no spare is idle, `ForkServer.assign` asks it for a
-child, which becomes the worker (`handover.py`) in milliseconds, its imported
-modules shared copy-on-write. The child is the server's, not the launcher's:
-`ForkedProcess` gives torch's agent the Popen calls it uses, its exit status coming
-from the server. The server dies with the launcher and is ended with the run; if it
-has ended, or does not answer, a new process takes the rank, said in one line.
+Under `--live-recovery` each launcher starts one fork server (`forkserver.py`): a
+process that imported what a worker imports and holds no rank. When no spare is
+idle, `ForkServer.assign` asks it for a child, which becomes the worker in
+milliseconds (`handover.py`), its imported modules shared copy-on-write. The child is
+the server's: `ForkedProcess` gives torch's agent the Popen calls it uses. If the
+server has ended or does not answer, a new process takes the rank, said in one line.
 """
 
 from __future__ import annotations

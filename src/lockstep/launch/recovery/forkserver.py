@@ -1,15 +1,12 @@
 """The fork server: one process per node that imported ahead, and forks replacement workers.
 
-`lockstep run --live-recovery` starts one per node (`forks.py`; not with
-`--no-fork-server`) as `python -u -m lockstep.launch.recovery.forkserver --parent PID
---fd N`. It imports what a spare imports (`standby.PRELOAD`; numpy's BLAS with one
-thread, the child given the worker's count: `restore_blas`), moves those objects out
-of the garbage collector's reach (`gc.freeze`, so a child's collections do not write to,
-and so copy, the shared pages) and waits on the socket N. For each lost worker the
-launcher sends the assignment a spare gets (`handover.assignment`); the server checks
-that it still runs one thread, forks, and answers the child's pid. The child becomes
-the worker exactly as a spare does (`standby.run_as_worker`). The server is the child's
-parent: it reports the child's exit status and reaps it once the launcher has read it.
+Started by the launcher under `--live-recovery` (`forks.py`) as `python -u -m
+lockstep.launch.recovery.forkserver --parent PID --fd N`, it imports what a spare
+imports (`standby.PRELOAD`), freezes those objects out of the collector (`gc.freeze`:
+a child's collections then leave the shared pages unwritten) and waits on socket N.
+For each lost worker it checks it may fork (`fork_unsafe`), forks, and answers the
+child's pid; the child becomes the worker as a spare does (`standby.run_as_worker`).
+As the child's parent, it reports its exit status and reaps it once the launcher read it.
 """
 
 from __future__ import annotations
@@ -40,23 +37,28 @@ BLAS_SETTERS = (
 )
 
 
-def threads_reason() -> str | None:
-    """Why this process may not fork (more than one thread), or None.
+def fork_unsafe() -> str | None:
+    """Why this process may not fork, or None.
 
     A fork copies only the calling thread: a lock another thread held (in malloc, in an
     OpenMP or BLAS pool, in Python's own state) would stay locked in the child forever.
+    And a child cannot use CUDA once its parent initialised it (torch raises "Cannot
+    re-initialize CUDA in forked subprocess"); torch initialises it lazily, never here.
     """
     try:
         tasks = sorted(os.listdir("/proc/self/task"))
     except OSError as error:
         return f"cannot count its threads ({error})"
-    if len(tasks) == 1:
-        return None
-    names = []
-    for task in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as fp:
-            names.append(f"{task} {fp.read().strip()}")
-    return f"it runs {len(tasks)} threads ({', '.join(names)}) where a fork needs 1"
+    if len(tasks) > 1:
+        names = []
+        for task in tasks:
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as fp:
+                names.append(f"{task} {fp.read().strip()}")
+        return f"it runs {len(tasks)} threads ({', '.join(names)}) where a fork needs 1"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised in it, and a forked child could not use it"
+    return None
 
 
 def exit_code(pid: int) -> int:
@@ -118,7 +120,7 @@ class Server:
 
     def serve(self) -> dict[str, Any] | None:
         """Serve until the launcher has gone: None. In a forked child, its assignment."""
-        reason = threads_reason()
+        reason = fork_unsafe()
         if reason is not None:
             self.send({"refused": reason})
             return None
@@ -154,7 +156,7 @@ class Server:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(request["reap"], 0)
             return None
-        reason = threads_reason()
+        reason = fork_unsafe()
         if reason is not None:
             self.send({"refused": reason})
             raise SystemExit(1)
