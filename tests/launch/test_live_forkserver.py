@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from test_live_recovery import SCRIPT, _assert_bitwise, _run
 from test_live_spares import _assert_gone, _pid
 
 from lockstep.launch.cli.parser import add_parser, run_config
+from lockstep.launch.recovery.forkserver import blas_threads, fork_unsafe
 
 SERVER = re.compile(r"fork server pid (\d+) started")
 WAIT_S = 150
@@ -128,3 +130,26 @@ def test_the_fork_server_is_on_unless_turned_off():
     assert run_config(parser.parse_args(["run", "--live-recovery", SCRIPT])).fork_server
     flags = ["run", "--live-recovery", "--no-fork-server", SCRIPT]
     assert not run_config(parser.parse_args(flags)).fork_server
+
+
+def test_a_process_running_a_second_thread_may_not_fork():
+    """The server's check before each fork names the threads it found."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="second")
+    thread.start()
+    try:
+        reason = fork_unsafe()
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert reason is not None and "where a fork needs 1" in reason, reason
+
+
+def test_the_child_gets_the_blas_threads_a_new_worker_would_take():
+    """OpenBLAS's order: OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS, OMP_NUM_THREADS, cores."""
+    cores = len(os.sched_getaffinity(0))
+    assert blas_threads({}) == cores
+    assert blas_threads({"OMP_NUM_THREADS": "1"}) == 1
+    assert blas_threads({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}) == min(2, cores)
+    assert blas_threads({"GOTO_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}) == 1
+    assert blas_threads({"OMP_NUM_THREADS": "x"}) == cores
