@@ -65,7 +65,7 @@ class Arrivals:
     def __init__(self, launch: LaunchEnv, store: dist.Store, since: float) -> None:
         self.launch, self.store, self.since = launch, store, since
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="lockstep-join", daemon=True)
+        threading.Thread(target=self._watch, name="lockstep-join", daemon=True).start()
 
     @classmethod
     def post(cls, launch: LaunchEnv, timeout: timedelta) -> Arrivals | None:
@@ -85,9 +85,7 @@ class Arrivals:
             store.set(cls._key(launch, launch.rank), "1")
         except RuntimeError as error:
             raise JoinError(_unreachable(launch, timeout, error)) from error
-        arrivals = cls(launch, store, since)
-        arrivals._thread.start()
-        return arrivals
+        return cls(launch, store, since)
 
     @staticmethod
     def _key(launch: LaunchEnv, rank: int) -> str:

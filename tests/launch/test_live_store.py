@@ -22,10 +22,8 @@ import pytest
 from launchkit import Launcher, wait_for
 from torch.distributed import TCPStore
 
-from lockstep.launch.recovery import finished, generations
 from lockstep.launch.rendezvous.store import host
-from lockstep.live import group as live_group
-from lockstep.live import keys, sealed
+from lockstep.live import keys
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
 WAIT_S = 200
@@ -35,9 +33,10 @@ IGNORED = "live recovery: ignored what the worker store holds under "
 
 
 def _bind(monkeypatch, nonce: str, round_: int) -> None:
-    monkeypatch.setenv(sealed.SECRET_VARIABLE, "a-secret-of-this-test-only")
-    for name, value in sealed.variables(nonce, round_).items():
-        monkeypatch.setenv(name, value)
+    """What `lockstep run` gives its workers: the secret, the launch's nonce, the round."""
+    monkeypatch.setenv("LOCKSTEP_JOB_SECRET", "a-secret-of-this-test-only")
+    monkeypatch.setenv("LOCKSTEP_JOB_NONCE", nonce)
+    monkeypatch.setenv("LOCKSTEP_JOB_ROUND", str(round_))
 
 
 def test_a_forged_garbage_or_replayed_value_is_ignored_by_the_launcher(monkeypatch, caplog):
@@ -45,6 +44,10 @@ def test_a_forged_garbage_or_replayed_value_is_ignored_by_the_launcher(monkeypat
     generation are ignored and swapped for the claimed one, with a line naming the key;
     a value sealed in another launch or round does not open; a forged `JOINED` does not
     count as joined; a launcher never goes below the generation it announced."""
+    # imported here, so that this file also runs on the code before the seal (and fails)
+    from lockstep.launch.recovery import finished, generations
+    from lockstep.live import group as live_group
+
     _bind(monkeypatch, "nonce-a", 0)
     server, port = host("127.0.0.1", 0, 10)
     store = generations.client("127.0.0.1", port, 10)
@@ -55,6 +58,8 @@ def test_a_forged_garbage_or_replayed_value_is_ignored_by_the_launcher(monkeypat
         assert live_group.read_announcement(store) == (1, [1])
         store.delete_key(keys.GENERATION)
     assert f"{IGNORED}{keys.GENERATION}" in caplog.text
+    from lockstep.live import sealed
+
     sealed_here = live_group.announcement(3, [0])
     _bind(monkeypatch, "nonce-a", 1)  # the next round: the value of round 0 does not open
     store.set(keys.GENERATION, sealed_here)
