@@ -11,16 +11,21 @@ end within the bound, saying what they waited for.
 
 from __future__ import annotations
 
+import socket
 import time
+from datetime import timedelta
 
 import pytest
 from launchkit import TRAIN, Launcher, node_args, wait_all
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+from lockstep.env import LaunchEnv
+
 JOIN_S = 15
 WARN_S = 5
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_workers_that_never_meet_end_both_launchers_within_the_bound_naming_the_wait(
     hosts, tmp_path
@@ -49,3 +54,23 @@ def test_workers_that_never_meet_end_both_launchers_within_the_bound_naming_the_
         assert named in log and "rank(s) [1] never arrived" in log, joined
     # the bound, the start of two launchers and the report's exchange; not torch's 300 s
     assert took < JOIN_S + 90, f"{took:.0f} s\n{joined}"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_be_reached_is_named_within_the_bound(monkeypatch):
+    """A worker whose launcher's store does not answer (a firewall between the nodes, or
+    an address of another job) ends at LOCKSTEP_TIMEOUT_S naming the store."""
+    from lockstep.arrivals import Arrivals, JoinError
+
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    launch = LaunchEnv("torchrun", 1, 0, 2, 1, 1, "127.0.0.1", port)
+    started = time.monotonic()
+    with pytest.raises(JoinError) as raised:
+        Arrivals.post(launch, timedelta(seconds=3))
+    assert time.monotonic() - started < 3 + 10
+    assert f"rank 1 could not reach the job's store at 127.0.0.1:{port} within 3 s" in str(
+        raised.value
+    )
