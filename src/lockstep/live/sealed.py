@@ -8,7 +8,7 @@ secret (`lockstep/seal.py`) over its key bound to the launch's nonce and the
 rendezvous round, which the launcher gives its workers in their environment (never
 on a command line): a forged value, garbage, or a value of another job or round
 does not open. Every read is defensive: a value that does not open or has the wrong
-shape is ignored, named once per key in one line, and never raises.
+shape is ignored, named once per key in one line: what the store holds never raises.
 
 torch's own keys under a generation's group prefix (`keys.GROUP`) stay unsealed:
 torch's gloo rendezvous reads them (a stranger can delay a group's forming there,
