@@ -33,4 +33,3 @@ def test_the_comparison_names_a_rank_whose_random_state_alone_differs(tmp_path):
         _final(tmp_path / "soaked" / "final", rank, rng_byte=int(rank == 2))
     found = soak_one_node.differences(tmp_path / "reference", tmp_path / "soaked")
     assert found == ["rank 2: rng differs from the uninterrupted run"]
-
