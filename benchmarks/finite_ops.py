@@ -17,12 +17,17 @@ multiplied by 1/2 into its slot of a flat bucket (the layout the engine builds:
 | param.sum_out | the same, `torch.sum(..., out=)` into a preallocated slot | |
 | param.grad_sum | in each hook, before the copy | autograd's gradient |
 | hybrid.<KiB> | in the hook for slots of <KiB> and more; the rest at launch | |
+| chunked.<KiB> | slots of 256 KiB and more: copied in <KiB> chunks, each summed | |
+| | right after its copy (in the core's cache); the rest at launch | |
+| result.<N> | at the launch, 1/N of the bucket (what one of N ranks would read | |
+| | of a reduced result, cold: no attribution to a rank) | |
 
 Variants take turns (A..Z then Z..A) over `--reps` repetitions of `--steps` steps.
-Reported, median per step over repetitions: the CPU time of the check's own calls
-(`time.thread_time`, the main thread's), and the whole step's CPU time minus the
-"off" variant's of the same repetition (what the check costs the step, cache effects
-on later work included).
+Reported, median per step over repetitions (CPU time of the main thread,
+`time.thread_time`): the hooks' and launches' work, the copies included (they
+differ between variants), that work minus "off"'s in the same repetition (what the
+check costs), and the whole step's CPU time minus "off"'s (cache effects on later
+work included, but noisier).
 """
 
 from __future__ import annotations
@@ -85,9 +90,12 @@ class Sim:
 
     def _plan(self, groups: list[list[int]], params: list) -> tuple[set[int], list[list]]:
         """hybrid.<KiB>: slots summed in their hook, and each bucket's spans of the rest."""
-        if not self.variant.startswith("hybrid."):
+        if self.variant.startswith("chunked."):
+            threshold = CHUNK_MIN
+        elif self.variant.startswith("hybrid."):
+            threshold = int(self.variant.split(".")[1]) * KIB
+        else:
             return set(), [[] for _ in groups]
-        threshold = int(self.variant.split(".")[1]) * KIB
         in_hook = {i for i, p in enumerate(params) if p.numel() * 4 >= threshold}
         spans: list[list[torch.Tensor]] = []
         for b, group in enumerate(groups):
@@ -113,11 +121,13 @@ class Sim:
             t = time.thread_time()
             if variant == "param.grad_sum":
                 self.sums.append(grad.sum(dtype=torch.float32))
-            self.check_cpu += time.thread_time() - t
-            torch.mul(grad, self.half, out=view)
+            chunked = variant.startswith("chunked.") and index in self.in_hook
+            if chunked:
+                self._chunked(grad, view, int(variant.split(".")[1]) * KIB // 4)
+            else:
+                torch.mul(grad, self.half, out=view)
             param.grad = view
-            t = time.thread_time()
-            if variant == "param.sum" or index in self.in_hook:
+            if (variant == "param.sum" or index in self.in_hook) and not chunked:
                 self.sums.append(view.sum(dtype=torch.float32))
             elif variant == "param.sum_out":
                 torch.sum(view.view(-1), 0, dtype=torch.float32, out=self.slot_of[index])
@@ -129,8 +139,17 @@ class Sim:
 
         return hook
 
+    def _chunked(self, grad: torch.Tensor, view: torch.Tensor, chunk: int) -> None:
+        """The copy in chunks that fit the core's cache, each summed right after it."""
+        for src, dst in zip(grad.view(-1).split(chunk), view.view(-1).split(chunk), strict=True):
+            torch.mul(src, self.half, out=dst)
+            self.sums.append(dst.sum(dtype=torch.float32))
+
     def _launch(self, b: int) -> None:
         t = time.thread_time()
+        if self.variant.startswith("result."):  # 1/N of the bucket: a rank's share of a result
+            shard = self.buffers[b][: self.buffers[b].numel() // int(self.variant[-1])]
+            self.sums.append(shard.sum(dtype=torch.float32))
         if self.variant.startswith("bucket."):
             self.sums.append(BUCKET_OPS[self.variant.split(".", 1)[1]](self.buffers[b]))
         for span in self.spans[b]:
@@ -160,10 +179,12 @@ class Sim:
 
 
 HOOK_VARIANTS = ("param.sum", "param.sum_out", "param.grad_sum", "hybrid.64", "hybrid.256")
+OTHER_VARIANTS = ("chunked.256", "chunked.1024", "result.2", "result.4")
+CHUNK_MIN = 256 * KIB
 
 
 def variants(name: str) -> list[str]:
-    return ["off", *(f"bucket.{op}" for op in BUCKET_OPS), *HOOK_VARIANTS]
+    return ["off", *(f"bucket.{op}" for op in BUCKET_OPS), *HOOK_VARIANTS, *OTHER_VARIANTS]
 
 
 def measure(name: str, reps: int, steps: int) -> dict[str, dict[str, float]]:
@@ -184,9 +205,11 @@ def measure(name: str, reps: int, steps: int) -> dict[str, dict[str, float]]:
     out = {}
     for v in names:
         extra = [a - b for a, b in zip(step_cpu[v], step_cpu["off"], strict=True)]
+        check = [a - b for a, b in zip(check_cpu[v], check_cpu["off"], strict=True)]
         out[v] = {
             "step": 1e3 * statistics.median(step_cpu[v]),
-            "check": 1e3 * statistics.median(check_cpu[v]),
+            "hooks": 1e3 * statistics.median(check_cpu[v]),
+            "check": 1e3 * statistics.median(check),
             "extra": 1e3 * statistics.median(extra),
         }
     return out
@@ -200,11 +223,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average at start: {Path('/proc/loadavg').read_text().split()[:3]}")
-    print("| workload | variant | step cpu ms | check calls cpu ms | step - off, cpu ms |")
-    print("|---|---|---|---|---|")
+    print(
+        "| workload | variant | step cpu ms | hooks + launches cpu ms | the same - off's "
+        "| step - off's, cpu ms |"
+    )
+    print("|---|---|---|---|---|---|")
     for name in args.workloads.split(","):
         for v, m in measure(name, args.reps, args.steps).items():
-            print(f"| {name} | {v} | {m['step']:.2f} | {m['check']:.3f} | {m['extra']:+.3f} |")
+            print(
+                f"| {name} | {v} | {m['step']:.2f} | {m['hooks']:.3f} | {m['check']:+.3f} "
+                f"| {m['extra']:+.3f} |"
+            )
 
 
 if __name__ == "__main__":

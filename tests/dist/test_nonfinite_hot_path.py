@@ -7,9 +7,10 @@ off. At world size 2 both counts must be equal: the verdict travels in the step
 fingerprint, read once with it. At world size 1 (no fingerprint exchange) the check
 reads its verdict once per step, and nothing more. The same counts on a GPU, with
 torch's sync debug mode and torch's DDP as the oracle: tests/gpu/test_host_syncs.py.
-Where the check reads: every op of a step recorded (a dispatch mode), each large
-gradient must be summed right after its copy into the bucket (in its hook, while in
-cache), and the sums over the buckets must read every element once.
+Where the check reads: every op of a step recorded (a dispatch mode), the sums over
+each bucket must read every element once, all before the bucket's all-reduce (after
+it, the local values are gone); and one inf among 263k elements of one rank's
+gradient is caught and named.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lockstep
 from lockstep.errors import NonFiniteGradientError
-from lockstep.runtime.finite_reads import HOT_BYTES
 from lockstep.testing import run_ranks
 from lockstep.testing.syncs import count_host_reads
 
@@ -92,92 +92,90 @@ def test_at_world_size_one_the_verdict_is_the_steps_one_read():
 
 
 # ---------------------------------------------------------- where the gradients are read
-# Linear(256, 256): each weight 256 KiB (summed in its hook), each bias 1 KiB (with its
-# bucket); 600 kB buckets hold two layers each.
+# Linear(256, 256): each weight 256 KiB, each bias 1 KiB; 600 kB buckets hold two layers.
 WIDE = 256
 WIDE_CAPS = {"bucket_cap_mb": 0.6, "first_bucket_cap_mb": 0.6}
 
 
 class _Reads(TorchDispatchMode):
-    """Every op of the block in order: (name, input's (address, elements), out's address)."""
+    """Every op of the block in order, as (name, (address, elements) of its first input)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[str, tuple[int, int] | None, int | None]] = []
+        self.ops: list[tuple[str, tuple[int, int] | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         read = (first.data_ptr(), first.numel()) if first is not None else None
-        out = kwargs.get("out")
-        written = out.data_ptr() if isinstance(out, torch.Tensor) else None
-        self.ops.append((func.overloadpacket.__name__, read, written))
-        return func(*args, **kwargs)
+        self.ops.append((func.overloadpacket.__name__, read))
+        return func(*args, **(kwargs or {}))
 
 
 def _placement(ctx, mode: str) -> dict:
-    """The third step's ops, and where each bucket's slots are (address, elements, large)."""
+    """The third step's ops and all-reduces in order, and each bucket's (address, elements)."""
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Linear(WIDE, WIDE) for _ in range(4)))
     model = lockstep.DistributedDataParallel(net, nonfinite=mode, **WIDE_CAPS)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(ctx.rank)
     reads = _Reads()
+    all_reduce = dist.all_reduce
+
+    def noted(tensor, *args, **kwargs):
+        reads.ops.append(("all_reduce", (tensor.data_ptr(), tensor.numel())))
+        return all_reduce(tensor, *args, **kwargs)
+
     for step in range(3):
         loss = model(torch.randn(4, WIDE, generator=gen)).pow(2).mean()
         if step == 2:
-            with reads:
-                loss.backward()
+            dist.all_reduce = noted
+            try:
+                with reads:
+                    loss.backward()
+            finally:
+                dist.all_reduce = all_reduce
         else:
             loss.backward()
         opt.step()
         opt.zero_grad()
-    buckets = [
-        [(v.data_ptr(), v.numel(), v.numel() * v.element_size() >= HOT_BYTES) for v in b.views]
-        for b in model.reducer.buckets
-    ]
+    buckets = [(b.buffer.data_ptr(), b.buffer.numel()) for b in model.reducer.buckets]
     return {"ops": reads.ops, "buckets": buckets}
 
 
-def _sums_over_buckets(ops: list, buckets: list) -> list[tuple[int, int]]:
-    """The (address, elements) of each sum that reads inside a bucket's buffer."""
-    ranges = [(b[0][0], b[-1][0] + b[-1][1] * 4) for b in buckets]
-    return [
-        read
-        for name, read, _ in ops
-        if name == "sum" and read and any(lo <= read[0] < hi for lo, hi in ranges)
-    ]
-
-
 def _check_placement(result: dict) -> None:
+    """Every element of every bucket is summed once, before the bucket's all-reduce."""
     ops, buckets = result["ops"], result["buckets"]
-    large = [(ptr, n) for bucket in buckets for ptr, n, big in bucket if big]
-    assert len(large) == 4 and len(buckets) >= 2, buckets  # the precondition
-    summed = sorted(_sums_over_buckets(ops, buckets))
-    # Every element of every bucket is read once by the check, none twice.
-    covered = sorted((ptr, n) for bucket in buckets for ptr, n, _ in bucket)
-    pos = 0
-    for ptr, n in summed:
-        assert pos == 0 or ptr >= pos, ("read twice", summed)
-        pos = ptr + n * 4
-    assert sum(n for _, n in summed) == sum(n for _, n in covered), (summed, covered)
-    # Each large gradient is summed in its hook: the op right after the copy into its slot.
-    for ptr, n in large:
-        copy = next(i for i, (_, _, out) in enumerate(ops) if out == ptr)
-        assert ops[copy + 1][0] == "sum" and ops[copy + 1][1] == (ptr, n), ops[copy : copy + 3]
+    assert len(buckets) >= 2, buckets  # the precondition: several buckets
+    for ptr, numel in buckets:
+        launch = ops.index(("all_reduce", (ptr, numel)))  # the bucket's own collective
+        inside = [
+            read
+            for name, read in ops
+            if name == "sum" and read and ptr <= read[0] < ptr + numel * 4
+        ]
+        before = [
+            read
+            for name, read in ops[:launch]
+            if name == "sum" and read and ptr <= read[0] < ptr + numel * 4
+        ]
+        assert sorted(inside) == sorted(before), ("summed after the launch", inside, before)
+        end = ptr
+        for start, n in sorted(inside):  # no element twice, none left out
+            assert start == end, ("a gap or an overlap", (ptr, numel), sorted(inside))
+            end = start + n * 4
+        assert end == ptr + numel * 4, ("not read to the end", (ptr, numel), sorted(inside))
 
 
-def test_large_gradients_are_read_in_their_hook_and_every_element_once():
+def test_every_gradient_element_is_summed_once_before_its_buckets_all_reduce():
     for result in run_ranks(_placement, 2, "raise", deadline_s=120):
         _check_placement(result)
 
 
-def _inf_in_one_large_gradient(ctx, mode: str) -> dict:
-    """Rank 1's gradient of `1.weight` (read in its hook) gets one inf at step 3."""
+def _inf_in_one_element(ctx, mode: str) -> dict:
+    """Rank 1's gradient of `1.weight` gets one inf at step 3 (one element in 263k)."""
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Linear(WIDE, WIDE) for _ in range(4)))
     model = lockstep.DistributedDataParallel(net, nonfinite=mode, **WIDE_CAPS)
-    large = net[1].weight.numel() * 4 >= HOT_BYTES  # the precondition: read in its hook
     state = {"step": 0}
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
@@ -195,14 +193,13 @@ def _inf_in_one_large_gradient(ctx, mode: str) -> dict:
         try:
             model(torch.randn(4, WIDE, generator=gen)).pow(2).mean().backward()
         except NonFiniteGradientError as error:
-            return {"raised_at": step, "error": str(error), "large": large}
+            return {"raised_at": step, "error": str(error)}
         opt.step()
-    return {"raised_at": None, "large": large}
+    return {"raised_at": None}
 
 
-def test_an_inf_in_one_large_gradient_of_rank_1_is_caught_and_named():
-    for rank, result in enumerate(run_ranks(_inf_in_one_large_gradient, 2, "raise")):
-        assert result["large"], result
+def test_an_inf_in_one_element_of_rank_1_is_caught_and_named():
+    for rank, result in enumerate(run_ranks(_inf_in_one_element, 2, "raise")):
         assert result["raised_at"] == 3, (rank, result)
         assert "rank 1: '1.weight' holds inf" in result["error"], result["error"]
         assert "Ranks with finite gradients: 0." in result["error"], result["error"]

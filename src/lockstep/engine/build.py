@@ -54,7 +54,7 @@ def build_reducer(
         collective = MixedPrecisionReduce(
             transport, ctx.world_size, mp.param_dtype, mp.reduce_dtype
         )
-    reducer = reducer_type(
+    return reducer_type(
         named,
         guard.wrap(with_skip(args, collective)),
         process_group=args.group,
@@ -64,8 +64,6 @@ def build_reducer(
         gradient_as_bucket_view=args.gradient_as_bucket_view and mp is None,
         check_data_passes=args.check_data_passes,
     )
-    reducer.read_gradients_with(guard.gradient_reads)  # large gradients checked in their hook
-    return reducer
 
 
 def build_mixed_precision(

@@ -35,9 +35,6 @@ from lockstep.runtime.step import StepState
 from lockstep.runtime.step_errors import ready_twice, second_backward, unfinished
 
 GradHook = Callable[[torch.Tensor], None]
-# Per parameter index, what reads its slot once the gradient is in it (None: nothing), for
-# a layout's buckets: the non-finite check's reads (`runtime/finite.py`).
-ReadPlanner = Callable[[list[Bucket], int], list[Callable[[torch.Tensor], None] | None]]
 
 
 @dataclass(frozen=True)
@@ -97,8 +94,6 @@ class Reducer:
         # The wrapper's require_backward_grad_sync (set by the wrapper): a backward under
         # no_sync() accumulates locally, as asked, even after a synchronised one.
         self.sync_requested: Callable[[], bool] = lambda: True
-        self._planner: ReadPlanner | None = None
-        self._reads: list[Callable[[torch.Tensor], None] | None] = [None] * len(self.params)
         self._use_layout(self.groups_for(None))
         self._handles: list = []
         self.replace_hooks(self._hook_for)
@@ -121,14 +116,6 @@ class Reducer:
         self.driver.use_buckets(self.layout.buckets, self.layout.hash)
         if self.grad_as_view:
             self.layout.move_grads_into_views(self.params)
-        if self._planner is not None:
-            self._reads = self._planner(self.layout.buckets, len(self.params))
-
-    def read_gradients_with(self, planner: ReadPlanner) -> None:
-        """Let `planner`'s reads see each chosen gradient in its hook, right after it reached
-        its slot (still in cache), for this layout and every later one."""
-        self._planner = planner
-        self._reads = planner(self.layout.buckets, len(self.params))
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -277,9 +264,6 @@ class Reducer:
             bucket.copy_in(view, grad)
             if self.grad_as_view:
                 param.grad = view
-        read = self._reads[index]
-        if read is not None:
-            read(view)
         self.driver.filled(step, bucket)
 
     # ------------------------------------------------- the driver's sink calls

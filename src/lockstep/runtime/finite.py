@@ -1,18 +1,15 @@
 """Non-finite gradients caught at the step where they appear, before the average is applied.
 
-Each local gradient is summed on its device (a NaN or an infinity anywhere makes
-the sum non-finite): a large one in the engine's hook right after it reached its
-bucket slot, while it is still in cache, the small ones together just before the
-bucket's collective starts (`runtime/finite_reads.py`). Nothing is read by the host
-then: once the last bucket is launched, this rank's count of non-finite sums rides
-in the step fingerprint's all-reduce (`runtime/fingerprint.py`), which every step
-makes and reads once at its end. Only when some rank found one does more happen
-(`FiniteGuard`): every gradient is dropped (`.grad = None`) and the step ends as
-the mode says: "raise" (default) raises `NonFiniteGradientError` on every rank,
-naming the rank(s), the step and the parameter; "skip" lets the run go on, its
-optimizer step doing nothing, and counts the skip; "off" checks nothing. Both
-engines wrap their bucket collective; the DDP engine's hooks also read large
-gradients (`gradient_reads`), the sharded engine's buckets are read whole.
+Just before a bucket's collective starts, its local gradients are summed on their
+device (one read of the bucket: a NaN or an infinity anywhere makes the sum
+non-finite). Nothing is read by the host then: once the last bucket is launched,
+this rank's count of non-finite sums rides in the step fingerprint's all-reduce
+(`runtime/fingerprint.py`), which every step makes and reads once at its end. Only
+when some rank found one does more happen (`FiniteGuard`): every gradient is
+dropped (`.grad = None`) and the step ends as the mode says: "raise" (default)
+raises `NonFiniteGradientError` on every rank, naming the rank(s), the step and the
+parameter; "skip" lets the run go on, its optimizer step doing nothing, and counts
+the skip; "off" checks nothing. Both engines wrap their bucket collective.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +28,6 @@ from lockstep.errors import NonFiniteGradientError, NonFiniteSkipWarning
 from lockstep.runtime.averaging import Averaging
 from lockstep.runtime.bucket import Bucket
 from lockstep.runtime.bucket_collective import BucketCollective
-from lockstep.runtime.finite_reads import HOT_BYTES, BucketReads
 from lockstep.runtime.handles import CollectiveHandle
 
 if TYPE_CHECKING:
@@ -41,8 +36,6 @@ if TYPE_CHECKING:
 # A bucket's parameters after its collective: (name, the part of its averaged gradient
 # this rank holds).
 Locate = Callable[[Bucket], Iterator[tuple[str, torch.Tensor]]]
-# What an engine's hook calls with a gradient's bucket slot, once it holds the gradient.
-GradientRead = Callable[[torch.Tensor], None]
 
 
 class NonFinite(str, enum.Enum):
@@ -127,9 +120,8 @@ def attribute(reports: list[Report]) -> list[list[Finding]]:
 class FiniteGuard:
     """The check of one engine: wraps its bucket collective, decides each synchronised step.
 
-    The hot path is one `sum` per large gradient in its hook (`gradient_reads`) and
-    one per run of small ones at the bucket's launch, kept on the device, and a count
-    of the non-finite ones at backward's end (`verdict`), which the driver sends in the
+    The hot path is one `sum` per bucket, kept on the device, and a count of the
+    non-finite ones at backward's end (`verdict`), which the driver sends in the
     step fingerprint: no host read per bucket (on a GPU, none per step beyond the
     fingerprint's own), no collective of its own. The price is paid only when some
     rank found one: by then each bucket's local gradients have been averaged in
@@ -167,12 +159,9 @@ class FiniteGuard:
         self.steps = 0
         self.skipped = 0
         self.last_step_skipped = False
-        self._sums: dict[int, list[torch.Tensor]] = {}  # by bucket: launched again replaces
-        self._hot: dict[int, list[torch.Tensor]] = {}  # by bucket: the sums taken in hooks
-        self._reads: dict[int, BucketReads] = {}  # by bucket: the plan of the engine's layout
+        self._sums: dict[int, torch.Tensor] = {}  # by bucket: a bucket launched again replaces
         self._driver: BackwardDriver | None = None
         self.scaler_owns = False  # the step's forward ran under fp16 autocast
-        self.hot_bytes = HOT_BYTES  # slots this large are summed in their hook (benchmarks vary it)
 
     def attach(self, driver: BackwardDriver) -> None:
         """Decide `driver`'s steps: its fingerprint carries `verdict`, `end_step` ends each."""
@@ -189,7 +178,7 @@ class FiniteGuard:
         nothing, raised nothing), whatever the mode.
         """
         self.scaler_owns = _fp16_autocast()
-        self._sums, self._hot = {}, {}
+        self._sums = {}
 
     def wrap(self, collective: BucketCollective) -> BucketCollective:
         """`collective`, checking each bucket before it starts (itself when the mode is off)."""
@@ -197,45 +186,17 @@ class FiniteGuard:
             return collective
         return CheckedCollective(collective, self)
 
-    def gradient_reads(self, buckets: list[Bucket], num_params: int) -> list[GradientRead | None]:
-        """Per parameter index, what the engine's hook calls with the gradient's slot once it
-        holds the gradient (None: its bucket's launch reads it). Called for each layout."""
-        reads: list[GradientRead | None] = [None] * num_params
-        self._reads = {}
-        if self.mode == NonFinite.OFF:
-            return reads
-        for bucket in buckets:
-            sizes = [view.numel() for view in bucket.views]
-            planned = BucketReads(bucket.buffer, sizes, self.hot_bytes)
-            self._reads[bucket.index] = planned
-            for position in planned.plan.in_hook:
-                reads[bucket.param_indices[position]] = partial(self.read_gradient, bucket.index)
-        return reads
-
-    def read_gradient(self, bucket_index: int, slot: torch.Tensor) -> None:
-        """In the hook: the sum of a gradient's slot, just written (still in cache)."""
-        if not self.scaler_owns:
-            total = slot.sum(dtype=_sum_dtype(slot.dtype))
-            self._hot.setdefault(bucket_index, []).append(total)
-
     def check_bucket(self, bucket: Bucket) -> None:
-        """Before the bucket's collective: the sums of what no hook read, kept on the device
-        (not read). A bucket whose planned hook reads did not all happen is read whole."""
+        """Before the bucket's collective: its local sum, kept on the device (not read)."""
         if self.scaler_owns:
             return
-        buffer, index = bucket.buffer, bucket.index
-        dtype = _sum_dtype(buffer.dtype)
-        hot = self._hot.get(index, [])
-        planned = self._reads.get(index)
-        if planned is not None and planned.covers(buffer, len(hot)):
-            self._sums[index] = hot + [run.sum(dtype=dtype) for run in planned.runs]
-        else:
-            self._sums[index] = [buffer.sum(dtype=dtype)]
+        buffer = bucket.buffer
+        self._sums[bucket.index] = buffer.sum(dtype=_sum_dtype(buffer.dtype))
 
     def verdict(self) -> torch.Tensor | None:
-        """This rank's count of sums that are not finite, on their device (None: none
+        """This rank's count of buckets whose sum is not finite, on their device (None: none
         checked). Called once the last bucket is launched; nothing waits for the device."""
-        sums = [total for bucket in self._sums.values() for total in bucket]
+        sums = list(self._sums.values())
         if not sums:
             return None
         first = sums[0]
@@ -262,7 +223,7 @@ class FiniteGuard:
             return
         assert self._driver is not None, "FiniteGuard.attach(driver) comes first"
         everyone = self._exchange(holds_results) if self._driver.fingerprint.flagged else []
-        self.steps, self._sums, self._hot = self.steps + 1, {}, {}
+        self.steps, self._sums = self.steps + 1, {}
         self.last_step_skipped = any(everyone)
         if not self.last_step_skipped:
             return
@@ -278,9 +239,7 @@ class FiniteGuard:
     def _exchange(self, holds_results: bool) -> list[list[Finding]]:
         """The slow path: this rank's flagged buckets and what it sees, from every rank."""
         assert self._driver is not None
-        flagged = [
-            i for i, sums in self._sums.items() if not all(math.isfinite(s.item()) for s in sums)
-        ]
+        flagged = [i for i, total in self._sums.items() if not math.isfinite(total.item())]
         seen = []
         for bucket in self._driver.buckets if holds_results else []:
             for name, grad in self.locate(bucket):
