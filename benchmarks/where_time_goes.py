@@ -6,20 +6,21 @@
     python benchmarks/where_time_goes.py --world-size 4 --profile runs/where  # + op tables
 
 `engine_vs_torch.py` says how the step times compare; this says why. The engines
-(lockstep as it is, lockstep with `nonfinite="off"`, torch DDP and the step with no
-communication) train copies of the same model in turns (A..D then D..A, `--reps`
-times `--steps` steps, the bucket caps of both engines set alike), and each step is
-split by the clock into forward, backward (the call, which ends when the last
-all-reduce is waited for) and optimizer. Each thread of the rank's process is read
-from /proc/self/task/<tid>/schedstat before and after every step: its time on a core
-and its time ready but waiting for one (the run queue: with four ranks on two cores,
-the share of a step a thread could have run and did not). Threads are grouped as
-the rank's main thread (forward, autograd, the hooks, lockstep's launches) and the
-others (gloo's, which run the all-reduces). For lockstep, the engine's own
-timeline (`StepStats`: per bucket, when it was ready, launched, done) gives the
-bucket order, the first bucket's size and the tail that backward waited for.
-`--profile DIR` adds one more turn of each engine under torch.profiler: rank 0's
-ops by self CPU time (top 12 per engine) and a Chrome trace per rank in DIR.
+(lockstep as it is, lockstep with `nonfinite="off"`, lockstep without the step
+fingerprint, torch DDP and the step with no communication) train copies of the same
+model in turns (A..E then E..A, `--reps` times `--steps` steps, the bucket caps of
+both engines set alike), and each step is split by the clock into forward, backward
+(the call, which ends when the last all-reduce is waited for) and optimizer. Each
+thread of the rank's process is read from /proc/self/task/<tid>/schedstat before and
+after every step: its time on a core and its time ready but waiting for one (the run
+queue: with four ranks on two cores, the share of a step a thread could have run and
+did not). Threads are grouped as the rank's main thread (forward, autograd, the
+hooks, lockstep's launches) and the others (gloo's, which run the all-reduces). For
+lockstep, the engine's own timeline (`StepStats`: per bucket, when it was ready,
+launched, done) gives the bucket order, the first bucket's size and the tail that
+backward waited for. `--profile DIR` adds one more turn of each engine under
+torch.profiler: rank 0's ops by self CPU time (top 12 per engine) and a Chrome trace
+per rank in DIR.
 Rank 0's medians are printed; `--json` writes every rank's.
 """
 
@@ -42,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
 
 import lockstep
+from lockstep.runtime.fingerprint import StepFingerprint
 from lockstep.testing import run_ranks
 
-ENGINES = ("lockstep", "lockstep_nocheck", "torch", "plain")
+ENGINES = ("lockstep", "lockstep_nocheck", "lockstep_nofp", "torch", "plain")
 PHASES = ("step", "forward", "backward", "optimizer")
 THREADS = ("main_cpu", "main_wait", "others_cpu", "others_wait", "process_cpu")
 
@@ -76,6 +78,9 @@ class Engine:
             model = lockstep.DistributedDataParallel(
                 model, first_bucket_cap_mb=args.first_bucket_mb, nonfinite=nonfinite, **caps
             )
+            if kind == "lockstep_nofp":  # a world of one makes the fingerprint a no-op
+                group_rank = dist.get_rank()
+                model.reducer.driver.fingerprint = StepFingerprint(None, group_rank, 1)
         elif kind == "torch":
             # torch's first bucket is 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), not settable
             model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **caps)
