@@ -5,7 +5,8 @@ writes each process's pid and its parent's pid). The launcher logs the fork serv
 pid when it starts it and the child's pid when it forks one. So the proof that the
 fork server took the rank is that the replacement's parent is the fork server; the
 proof of the fallback is a replacement whose parent is the launcher, with the line
-that names the fork server's end. The oracle is the same script without kills:
+that names the fork server's end; a child that was a worker dies with its server and
+is replaced by a new process. The oracle is the same script without kills:
 final parameters and Adam state bitwise equal. Neither the fork server nor its child
 may outlive the run or a SIGKILLed launcher.
 """
@@ -103,6 +104,31 @@ def test_a_dead_fork_server_leaves_the_rank_to_a_new_process(tmp_path, oracle):
     assert "forked pid" not in log and "restart 1" not in log, log
     _assert_bitwise(tmp_path, oracle)
     _assert_gone([server, _pid(tmp_path, "1.1.0")], log)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_worker_forked_by_a_server_that_dies_dies_with_it_and_is_replaced(tmp_path, oracle):
+    """The fork server SIGKILLed while its child is rank 1: the child dies with it (the
+    parent-death signal), and a new process replaces it live, bitwise."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    argv = ["--nproc-per-node", "2", "--live-recovery", SCRIPT, "--out", str(tmp_path)]
+    argv += ["--steps", "6", "--step-sleep", "1.0"]
+    env = {"LOCKSTEP_TEST_KILL": "1:1:backward", "LOCKSTEP_STALL_WARN_S": "60"}
+    launcher = Launcher(argv, tmp_path / "launcher.log", env=env)
+    forked = _wait_for(launcher, r"fork server pid (\d+) forked pid (\d+) for local rank 1")
+    server, child = int(forked.group(1)), int(forked.group(2))
+    _wait_for(launcher, r"generation 1 formed")
+    os.kill(server, signal.SIGKILL)
+    assert launcher.wait(WAIT_S) == 0, launcher.log()
+    log = launcher.log()
+    assert f"rank 1 (pid {child}) killed by SIGKILL" in log, log
+    assert f"local rank 1: the fork server (pid {server}) has ended" in log, log
+    assert _parent(tmp_path, "1.2.0") == launcher.proc.pid, log  # generation 2: started anew
+    assert "restart 1" not in log and "not possible" not in log, log
+    _assert_bitwise(tmp_path, oracle)
+    _assert_gone([server, child, _pid(tmp_path, "1.2.0")], log)
 
 
 @pytest.mark.soak

@@ -120,9 +120,15 @@ class ForkServer:
         if self.proc is None:
             return
         self._receive()
+        before = self._gone  # it had ended, or refused, while the run went on
         self._end(REAP_S if self._ready else 0)  # one still importing reads no socket yet
         code = self.proc.returncode
-        ended = "has not ended" if code is None else f"ended with the run ({_describe(code)})"
+        if code is None:
+            ended = "has not ended"
+        elif before is not None:
+            ended = f"had ended ({_describe(code)}; {before})"
+        else:
+            ended = f"ended with the run ({_describe(code)})"
         log.info("fork server pid %d %s", self.proc.pid, ended)
 
     def _end(self, patience_s: float) -> None:
