@@ -50,7 +50,15 @@ from lockstep.env import read_variable
 from lockstep.errors import ReplicaMismatchError
 from lockstep.runtime import waits
 from lockstep.runtime.control_device import control_device, to_control_device
-from lockstep.runtime.replica_digest import Verdict, fold, int_view, judge, tensor_digest, weights
+from lockstep.runtime.replica_digest import (
+    SLOTS,
+    GroupDigest,
+    Verdict,
+    fold,
+    judge,
+    tensor_digest,
+    weights,
+)
 
 if TYPE_CHECKING:
     from lockstep.runtime.bucket import Bucket
@@ -98,12 +106,11 @@ class ReplicaGuard:
         self.names = [f"parameter '{n}'" for n, _ in trained]
         self.names += [f"buffer or frozen parameter '{n}'" for n, _ in others]
         self.steps_checked = 0
-        self._parts: list[torch.Tensor | None] = [None] * len(self.trained)
-        self._views: list[torch.Tensor | None] = [None] * len(self.trained)
-        self._zero: torch.Tensor | None = None
+        self._groups: dict[int, tuple[list[int], GroupDigest]] = {}  # bucket -> its indices
+        self._parts: dict[int, list[torch.Tensor]] = {}  # this step's, by bucket index
         self._still: list[bool] | None = None  # per `others`: a forward leaves it as it is
+        self._still_group: GroupDigest | None = None
         self._before: list[int] | None = None
-        self._last: torch.Tensor | None = None  # this step's per-tensor digests
         self._weights: torch.Tensor | None = None
         self._driver: BackwardDriver | None = None
 
@@ -129,36 +136,43 @@ class ReplicaGuard:
         if self._before is not None:
             after = [int(tensor_digest(t).item()) for t in self.others]
             self._still = [a == b for a, b in zip(after, self._before, strict=True)]
+            kept = zip(self.others, self._still, strict=True)
+            self._still_group = GroupDigest([t for t, still in kept if still])
             self._before = None
 
     # ----------------------------------------------------------- the hot path
     def bucket_ready(self, bucket: Bucket) -> None:
-        """The bucket is about to launch: digest its parameters (backward just read them).
-
-        The hot path: one integer sum per parameter, over a view of its memory made once
-        (`int_view`) and made again only if the parameter's storage was replaced.
-        """
-        parts, views, trained = self._parts, self._views, self.trained
-        for index in bucket.param_indices:
-            view = views[index]
-            if view is None or view.data_ptr() != trained[index].data_ptr():
-                view = views[index] = int_view(trained[index])
-            parts[index] = view.sum(dtype=torch.int64)
+        """The bucket is about to launch: digest its parameters (backward just read them):
+        a word sum per large parameter, one over the small ones together (`GroupDigest`)."""
+        indices = bucket.param_indices
+        known = self._groups.get(bucket.index)
+        if known is None or known[0] is not indices:  # the first step, or the one rebuild
+            group = GroupDigest([self.trained[i] for i in indices])
+            known = self._groups[bucket.index] = (indices, group)
+        self._parts[bucket.index] = known[1].parts()
 
     def digest(self) -> torch.Tensor:
-        """The fold of every digest (on the parameters' device), for the fingerprint."""
-        zero = self._zero
-        if zero is None:
-            device = self.trained[0].device if self.trained else torch.device("cpu")
-            zero = self._zero = torch.zeros((), dtype=torch.int64, device=device)
-        still = self._still or [False] * len(self.others)
-        parts = [zero if p is None else p for p in self._parts]
-        parts += [tensor_digest(t) if s else zero for t, s in zip(self.others, still, strict=True)]
-        self._last = torch.stack(parts)
-        if self._weights is None or self._weights.device != self._last.device:
-            self._weights = weights(len(parts), self._last.device)
+        """The fold of this step's digests (on the parameters' device), for the fingerprint."""
+        assert self._driver is not None
+        parts = [p for i in range(len(self._driver.buckets)) for p in self._parts.get(i, [])]
+        if self._still_group is not None:
+            parts += self._still_group.parts()
+        if not parts:
+            return torch.zeros(SLOTS, dtype=torch.int64)
+        digests = torch.stack(parts).to(torch.int64)
+        if self._weights is None or self._weights.shape != digests.shape:
+            self._weights = weights(len(parts), digests.device)
         self.steps_checked += 1
-        return fold(self._last, self._weights)
+        return fold(digests, self._weights)
+
+    def entries(self) -> torch.Tensor:
+        """Every parameter's and compared buffer's digest, one each (the slow path's table;
+        the parameters are as backward read them: no optimizer ran since)."""
+        still = self._still or [False] * len(self.others)
+        found = [int(tensor_digest(t).item()) for t in self.trained]
+        kept = zip(self.others, still, strict=True)
+        found += [int(tensor_digest(t).item()) if s else 0 for t, s in kept]
+        return torch.tensor(found, dtype=torch.int64)
 
     # ------------------------------------------------------------ step's end
     def end_step(self) -> None:
@@ -198,8 +212,7 @@ class ReplicaGuard:
 
     def _gather(self, step: int) -> list[list[int]]:
         """Every rank's per-tensor digests (the slow path's one collective)."""
-        assert self._last is not None
-        mine = to_control_device(self._last, control_device(self.group))
+        mine = to_control_device(self.entries(), control_device(self.group))
         slots = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(slots, mine, group=self.group, async_op=True)
         waits.collective(work, f"replica check's digests of step {step}", self.group)
