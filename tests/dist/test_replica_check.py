@@ -15,13 +15,17 @@ test here) nothing is raised and the tests fail.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import lockstep
 from lockstep.errors import ReplicaMismatchError
 from lockstep.testing import run_ranks
+from lockstep.testing.syncs import count_host_reads
 
 STEPS, FAULT_STEP = 7, 4
 
@@ -151,3 +155,48 @@ def test_switched_off_the_flip_goes_unseen_and_the_replicas_stay_apart():
     assert not all(
         torch.equal(a, b) for a, b in zip(results[0]["state"], results[1]["state"], strict=True)
     )
+
+
+def _counted_step(ctx, on: bool) -> dict:
+    """Three steps, six buckets; the third's host reads and all-reduces (after the rebuild)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))
+    caps = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001}
+    model = lockstep.DistributedDataParallel(net, check_replicas=on, **caps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    calls: Counter[str] = Counter()
+    all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    reads: Counter[str] = Counter()
+    for step in range(3):
+        loss = model(torch.randn(4, 16, generator=gen)).pow(2).mean()
+        if step == 2:
+            dist.all_reduce = counting
+            try:
+                with count_host_reads() as reads:
+                    loss.backward()
+            finally:
+                dist.all_reduce = all_reduce
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    checked = model.replicas.steps_checked
+    return {"reads": dict(reads), "all_reduce": calls["all_reduce"], "checked": checked}
+
+
+def _on_and_off(ctx) -> dict:
+    return {on: _counted_step(ctx, on) for on in (True, False)}
+
+
+def test_the_check_adds_no_host_read_and_no_collective_to_a_step():
+    for rank, result in enumerate(run_ranks(_on_and_off, 2, deadline_s=120)):
+        on, off = result[True], result[False]
+        assert on["checked"] == 3 and off["checked"] == 0, (rank, on, off)
+        assert on["reads"] == off["reads"], (rank, on, off)
+        assert on["all_reduce"] == off["all_reduce"], (rank, on, off)
