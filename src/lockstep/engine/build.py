@@ -49,7 +49,8 @@ def build_replicas(
     named = list(zip(reducer.names, reducer.params, strict=True))
     trained = {id(p) for p in reducer.params}
     others = [(n, t) for n, t in state if id(t) not in trained]
-    on = wanted(args.check_replicas)
+    # init_sync=False: torch lets each rank start from its own weights; not compared
+    on = wanted(args.init_sync if args.check_replicas is None else args.check_replicas)
     guard = ReplicaGuard(on, args.group, ctx.rank, ctx.world_size, named, others)
     guard.attach(reducer.driver)
     return guard

@@ -106,7 +106,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         local_world_size: int | None = None,
         check_data_passes: bool = True,
         nonfinite: str = "raise",
-        check_replicas: bool = True,
+        check_replicas: bool | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)

@@ -31,8 +31,10 @@ and the first parameter or buffer that differs. Then:
 - otherwise (two replicas, no majority, or no live recovery): `ReplicaMismatchError`
   on every rank, naming the ranks.
 
-On by default; `check_replicas=False` (the DDP wrapper) or LOCKSTEP_CHECK_REPLICAS=0
-switches it off. Every rank must make the same choice.
+On by default (but with `init_sync=False`, where torch lets each rank start from its
+own weights, unless `check_replicas=True` is passed); `check_replicas=False` (the DDP
+wrapper) or LOCKSTEP_CHECK_REPLICAS=0 switches it off. Every rank must make the same
+choice.
 """
 
 from __future__ import annotations
