@@ -65,20 +65,26 @@ def test_three_replicas_name_the_flipped_one_and_heal_it_live_bitwise(tmp_path):
     oracle = tmp_path / "clean"
     code, log = _run(oracle, 3, [], [])
     assert code == 0, log
-    out = tmp_path / "flip"
-    code, log = _run(out, 3, ["--live-recovery"], ["--flip", "1:4"])  # no save after step 4
-    assert code == 0, log
-    named = (
-        "replica check: replicas differ at synchronised step 6: rank(s) [1] hold other "
-        "parameters or buffers than the majority, rank(s) [0, 2]; the first that differs "
-        "is parameter '3.weight'"
-    )
-    assert f"[rank 1]: {named}: this rank's replica differs" in log, log
-    assert f"[rank 0]: {named}: rank(s) [1] leave and are replaced live" in log, log
-    assert "live recovery: generation 1, rank(s) [1] replaced inside step 6" in log, log
-    assert "restart 1" not in log and "not possible" not in log, log
-    assert sorted(p.name for p in (out / "pids").iterdir()) == ["0.0.0", "1.0.0", "1.1.0", "2.0.0"]
-    _assert_bitwise(out, oracle, 3)
+    # rank 1 flipped, rank 0 the donor; then rank 0 flipped (the writer), rank 1 the donor
+    for flipped, donor, majority in ((1, 0, [0, 2]), (0, 1, [1, 2])):
+        out = tmp_path / f"flip_{flipped}"
+        flip = ["--flip", f"{flipped}:4"]  # after step 4, which no save follows
+        code, log = _run(out, 3, ["--live-recovery"], flip)
+        assert code == 0, log
+        named = (
+            f"replica check: replicas differ at synchronised step 6: rank(s) [{flipped}] hold "
+            f"other parameters or buffers than the majority, rank(s) {majority}; the first "
+            "that differs is parameter '3.weight'"
+        )
+        assert f"[rank {flipped}]: {named}: this rank's replica differs" in log, log
+        leave = f"rank(s) [{flipped}] leave and are replaced live with the state of rank {donor}"
+        assert f"[rank {donor}]: {named}: {leave}" in log, log
+        replaced = f"live recovery: generation 1, rank(s) [{flipped}] replaced inside step 6"
+        assert replaced in log, log
+        assert "restart 1" not in log and "not possible" not in log, log
+        processes = sorted(p.name for p in (out / "pids").iterdir())
+        assert processes == sorted(["0.0.0", "1.0.0", "2.0.0", f"{flipped}.1.0"]), log
+        _assert_bitwise(out, oracle, 3)
 
 
 @pytest.mark.soak
