@@ -38,7 +38,10 @@ def state_digests(model: nn.Module, optimizer: Any) -> Digests:
         return found
     by_id = {id(p): name for name, p in named}
     ordered = [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]
-    state = optimizer.state_dict().get("state", {})
+    try:
+        state = optimizer.state_dict().get("state", {})
+    except RuntimeError:  # one that gathers its state first (torch's ZeroRedundancyOptimizer)
+        return found
     for index in sorted(state, key=str):
         name = by_id.get(id(ordered[index]), str(index)) if index < len(ordered) else str(index)
         entry = state[index]
