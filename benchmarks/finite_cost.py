@@ -1,7 +1,7 @@
 """What the non-finite check (`runtime/finite.py`) costs per step, measured in isolation.
 
     python benchmarks/finite_cost.py                 # world size 2, all workloads
-    python benchmarks/finite_cost.py --steps 40 --world-size 4
+    python benchmarks/finite_cost.py --steps 8 --reps 6 --world-size 4
 
 On a busy machine the "finite on/off" column of `engine_vs_torch.py` drowns in
 noise, so this measures the check's own parts inside a real training step of
@@ -9,9 +9,13 @@ lockstep's engine (gloo, one thread per rank): the per-bucket sums
 (`FiniteGuard.check_bucket`, timed around each call), the count of non-finite sums
 that goes out in the step fingerprint (`FiniteGuard.verdict`) and the end-of-step
 decision (`FiniteGuard.end_step`, which reads the agreed count), against the whole
-step. Reported: medians over steps in milliseconds, in CPU time of this process
-(what other processes' load does not inflate much) and in wall time, and the share
-of the step.
+step. Two copies of the model train in turns (A/B then B/A, `--reps` times
+`--steps` steps): with the check (`nonfinite="raise"`, the default) and without
+(`nonfinite="off"`); the last column is the step's CPU time with the check over
+without, per repetition (median, min-max): the check's cost with its cache effects
+on the rest of the step, noisier than the timed parts. Reported: medians over steps in
+milliseconds, in CPU time of this process (what other processes' load does not
+inflate much) and in wall time, and the share of the step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workloads import WORKLOADS, build
@@ -32,6 +37,7 @@ import lockstep
 from lockstep.testing import run_ranks
 
 PARTS = ("sums", "verdict", "decision")
+VARIANTS = ("raise", "off")
 
 
 class Timed:
@@ -65,55 +71,86 @@ def _timed_parts(model: lockstep.DistributedDataParallel) -> dict[str, Timed]:
     return parts
 
 
-def _measure(ctx: lockstep.DistContext, name: str, steps: int) -> dict[str, list[float]]:
-    work = WORKLOADS[name]
-    model = lockstep.DistributedDataParallel(build(name))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    parts = _timed_parts(model)
-    gen = torch.Generator().manual_seed(100 + ctx.rank)
-    batch = work.batch(gen)
-    out: dict[str, list[float]] = {}
-    for i in range(steps + 3):
+class Trainer:
+    """One copy of the workload's model under lockstep's engine, with the check's variant."""
+
+    def __init__(self, name: str, variant: str) -> None:
+        self.work = WORKLOADS[name]
+        self.model = lockstep.DistributedDataParallel(build(name), nonfinite=variant)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.parts = _timed_parts(self.model) if variant != "off" else {}
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
         wall, cpu = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        work.loss(model(batch[0]), batch[1]).backward()
-        opt.step()
+        self.opt.zero_grad()
+        self.work.loss(self.model(batch[0]), batch[1]).backward()
+        self.opt.step()
         figures = {"step": time.perf_counter() - wall, "step_cpu": time.process_time() - cpu}
-        for part, timed in parts.items():
-            figures[part], figures[part + "_cpu"] = timed.take()
-        if i >= 3:  # warm-up: the buckets are rebuilt after the first step
-            for key, value in figures.items():
-                out.setdefault(key, []).append(value)
+        for part in PARTS:
+            timed = self.parts.get(part)
+            figures[part], figures[part + "_cpu"] = timed.take() if timed else (0.0, 0.0)
+        return figures
+
+
+def _measure(ctx: lockstep.DistContext, name: str, args: argparse.Namespace) -> dict:
+    trainers = {v: Trainer(name, v) for v in VARIANTS}
+    batch = WORKLOADS[name].batch(torch.Generator().manual_seed(100 + ctx.rank))
+    for trainer in trainers.values():  # warm-up: the buckets are rebuilt after the first step
+        for _ in range(3):
+            trainer.step(batch)
+    out: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    per_rep: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for rep in range(args.reps):
+        for v in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+            dist.barrier()
+            cpu = []
+            for _ in range(args.steps):
+                figures = trainers[v].step(batch)
+                cpu.append(figures["step_cpu"])
+                for key, value in figures.items():
+                    out[v].setdefault(key, []).append(value)
+            per_rep[v].append(statistics.median(cpu))
+    for v in VARIANTS:
+        ratios = [a / b for a, b in zip(per_rep[v], per_rep["off"], strict=True)]
+        out[v]["cpu_over_off"] = ratios
     return out
 
 
 def rank_main(ctx: lockstep.DistContext, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    return {name: _measure(ctx, name, args.steps) for name in args.workloads}
+    return {name: _measure(ctx, name, args) for name in args.workloads}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=8, help="steps per repetition")
+    parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
+    load = Path("/proc/loadavg").read_text().split()[:3]
     results = run_ranks(rank_main, args.world_size, args, deadline_s=3600, timeout_s=600)
     print(
-        f"world size {args.world_size}\n| workload | step ms (cpu) | bucket sums ms (cpu) "
-        "| verdict ms (cpu) | decision ms (cpu) | check / step, wall (cpu) |"
+        f"world size {args.world_size}, load average at start {' '.join(load)}\n"
+        "| workload | nonfinite | step ms (cpu) | bucket sums ms (cpu) "
+        "| verdict ms (cpu) | decision ms (cpu) | check / step, wall (cpu) "
+        "| step cpu / off's, median (min-max) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
-        m = {k: 1e3 * statistics.median(v) for k, v in results[0][name].items()}
-        share = sum(m[p] for p in PARTS) / m["step"]
-        share_cpu = sum(m[p + "_cpu"] for p in PARTS) / m["step_cpu"]
-        cells = " | ".join(f"{m[p]:.3f} ({m[p + '_cpu']:.3f})" for p in PARTS)
-        print(
-            f"| {name} | {m['step']:.1f} ({m['step_cpu']:.1f}) | {cells} | "
-            f"{share:.1%} ({share_cpu:.1%}) |"
-        )
+        for variant in VARIANTS:
+            raw = results[0][name][variant]
+            ratios = raw.pop("cpu_over_off")
+            m = {k: 1e3 * statistics.median(v) for k, v in raw.items()}
+            share = sum(m[p] for p in PARTS) / m["step"]
+            share_cpu = sum(m[p + "_cpu"] for p in PARTS) / m["step_cpu"]
+            cells = " | ".join(f"{m[p]:.3f} ({m[p + '_cpu']:.3f})" for p in PARTS)
+            print(
+                f"| {name} | {variant} | {m['step']:.1f} ({m['step_cpu']:.1f}) | {cells} | "
+                f"{share:.1%} ({share_cpu:.1%}) | {statistics.median(ratios):.3f} "
+                f"({min(ratios):.3f}-{max(ratios):.3f}) |"
+            )
 
 
 if __name__ == "__main__":

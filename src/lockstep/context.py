@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lockstep import arrivals
 from lockstep.env import DEFAULT_MASTER_ADDR, LaunchEnv, read_launch_env, read_timeout
 from lockstep.errors import EnvironmentConfigError
 from lockstep.teardown import install as _pin_groups
@@ -162,13 +163,7 @@ def _join(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
         if launch.source == "torchrun"
         else f"tcp://{launch.master_addr}:{launch.master_port}"
     )
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timeout,
-    )
+    arrivals.join(launch, backend, init_method, timeout)
 
 
 def _launch_env_or_single() -> LaunchEnv:

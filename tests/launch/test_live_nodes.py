@@ -24,7 +24,7 @@ from lockstep.launch.cli.parser import add_parser, run_config
 from lockstep.launch.recovery import generations
 from lockstep.launch.rendezvous.store import host
 from lockstep.live import group as live_group
-from lockstep.live import keys
+from lockstep.live import keys, sealed
 from lockstep.testing.netns import Host, kill_inside
 
 SCRIPT = str(Path(__file__).with_name("train_live.py"))
@@ -153,9 +153,10 @@ class _Interleaved:
         return self.store.compare_set(key, expected, desired)
 
 
-def test_generations_are_claimed_once_for_the_whole_job():
+def test_generations_are_claimed_once_for_the_whole_job(monkeypatch):
     """Two nodes that lose a worker at once: one claim wins, the other falls back; a claim
     while a generation forms is refused; once every rank joined, the next number follows."""
+    monkeypatch.setenv(sealed.SECRET_VARIABLE, "a-secret-of-this-test-only")
     server, port = host("127.0.0.1", 0, 10)
     node0, node1 = (generations.client("127.0.0.1", port, 10) for _ in range(2))
     theirs: list[int | str] = []
@@ -165,7 +166,7 @@ def test_generations_are_claimed_once_for_the_whole_job():
     assert mine == "rank(s) [1] failed while another node announced generation 1 for rank(s) [3]"
     assert "generation 1 (rank(s) [3]) was still forming" in str(generations.claim(node0, [1], 4))
     for rank in range(4):
-        node0.set(keys.JOINED.format(generation=1, rank=rank), "1")
+        sealed.put(node0, keys.JOINED.format(generation=1, rank=rank), 1)
     assert generations.claim(node0, [1], 4) == 2
     assert live_group.read_announcement(node1) == (2, [1])
     del server

@@ -7,7 +7,8 @@ its Python stack, naming rank 0 as waiting on a gradient bucket; rank 0's own lo
 must say which rank has not launched the bucket it waits on. A save that finished
 is not blamed for a later stall (phases end); a rank stopped by SIGSTOP is named
 frozen and ended within lockstep's shutdown bound; under torchrun, with
-LOCKSTEP_STALL_TIMEOUT_S set, the waiting rank ends the run naming rank 1.
+LOCKSTEP_STALL_TIMEOUT_S set, the waiting rank ends the run naming rank 1, which
+torchrun's own "Root Cause" header names too.
 """
 
 from __future__ import annotations
@@ -105,7 +106,13 @@ def test_under_torchrun_the_stall_bound_ends_the_run_naming_the_stuck_rank(tmp_p
     log = done.stdout + done.stderr
     assert done.returncode != 0, log
     assert "[rank 0]: waited" in log and "rank(s) 1 have not launched it" in log, log
+    # torchrun's "Root Cause" is the failure with the earliest time: rank 0, which only
+    # waited, wrote rank 1's error file (same node) with the time its wait began
     root_cause = log[log.index("Root Cause") :]
-    assert "stuck: rank(s) 1 have not launched it" in root_cause, log
-    assert "(rank 1: not waiting in any lockstep collective)" in root_cause, log
-    assert "rank 0 only waited for them" in root_cause, log
+    assert "rank      : 1 (local_rank: 1)" in root_cause, log
+    assert "lockstep: rank 1 is stuck: it never launched " in root_cause, log
+    assert "(not waiting in any lockstep collective)" in root_cause, log
+    failures = log[log.index("Failures:") : log.index("Root Cause")]
+    assert "stuck: rank(s) 1 have not launched it" in failures, log
+    assert "(rank 1: not waiting in any lockstep collective)" in failures, log
+    assert "rank 0 only waited for them" in failures, log

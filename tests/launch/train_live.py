@@ -24,6 +24,9 @@ BatchNorm layer, whose buffers DDP broadcasts from rank 0 at every forward;
 rank 0's third), and the others after it. `--strand STEP:A,B` leaves, at STEP, one
 broadcast on the default group that never completes in every first process (`strand`);
 `--linger` waits after the last step until the launcher started a replacement.
+Rank 0's first process writes OUT/worker_store ("ADDR PORT" of the launcher's worker
+store, for a test that writes into it); `--hold PATH` makes a process that is to kill
+itself wait (at most 60 s) for PATH before its kill step.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--strand", default="")
     parser.add_argument("--linger", action="store_true")
+    parser.add_argument("--hold", default="")
     return parser.parse_args()
 
 
@@ -155,6 +159,23 @@ def after_last_step(linger: bool, where: str, armed: bool, rank: int, world_size
         await_launcher("announced", rank, world_size)
 
 
+def publish_store(out: Path, mine: bool) -> None:
+    """OUT/worker_store: "ADDR PORT" of the launcher's worker store (written whole, by
+    rank 0's first process: `mine`)."""
+    if not mine:
+        return
+    where = f"{os.environ['MASTER_ADDR']} {os.environ['MASTER_PORT']}"
+    (out / "worker_store.tmp").write_text(where)
+    (out / "worker_store.tmp").rename(out / "worker_store")
+
+
+def hold(path: Path) -> None:
+    """`--hold PATH`: wait (at most 60 s) until PATH exists."""
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def strand(spec: str, step: int, rank: int) -> None:
     """`--strand STEP:A,B`: at STEP, rank A starts a broadcast from rank B and B one from
     A, each waiting for the other for ever; any other rank one from itself, which nobody
@@ -204,6 +225,7 @@ def main() -> None:
     (out / "pids" / f"{ctx.rank}.{generation}.{ctx.restart_count}").write_text(str(os.getpid()))
     print(f"rank {ctx.rank} generation {generation} starts at step {start}", flush=True)
     first_process = generation == 0 and ctx.restart_count == 0
+    publish_store(out, first_process and ctx.rank == 0)
     kill_step, where = planned_kill(ctx.rank, first_process)
     stranding = args.strand * first_process  # never in a replacement
     armed = [False]
@@ -218,6 +240,8 @@ def main() -> None:
     def run(steps: range) -> None:
         for step in steps:
             armed[0] = step == kill_step
+            if armed[0] and args.hold:
+                hold(Path(args.hold))
             strand(stranding, step, ctx.rank)
             x, y = batch(step, ctx.rank, ctx.world_size)
             optimizer.zero_grad()

@@ -8,7 +8,8 @@ size), never on restarts. A checkpoint (lockstep.Checkpointer) is written after
 every step; on start the script resumes from the latest one. Rank 0 writes the
 final parameters to OUT/final.pt. Each worker writes its pid to OUT/pids/.
 `--kill-rank R --kill-step S` makes rank R SIGKILL itself before step S of the
-first attempt; `--raise-rank R` makes rank R raise at its first step, every attempt.
+first attempt; `--raise-rank R` makes rank R raise at its first step, every attempt;
+`--late-rank R --late-s S` makes rank R sleep S seconds before `lockstep.init()`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--exit-rank", type=int, default=-1)  # sys.exit(0) at --exit-step
     parser.add_argument("--exit-step", type=int, default=-1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--late-rank", type=int, default=-1)
+    parser.add_argument("--late-s", type=float, default=0.0)
     return parser.parse_args()
 
 
@@ -52,6 +55,8 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
 
 def main() -> None:
     args = parse_args()
+    if int(os.environ.get("RANK", "0")) == args.late_rank:
+        time.sleep(args.late_s)  # busy before it joins: its peers wait in the join
     ctx = lockstep.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2] / "src" / "lockstep"  # read, never i
 
 LAYERS = [
     {"errors"},
-    {"env", "teardown"},
+    {"env", "teardown", "seal"},
+    {"arrivals"},
     {"context"},
     {"collectives"},
     {"runtime"},

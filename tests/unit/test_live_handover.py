@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lockstep.data.sampler import ShardedSampler
 from lockstep.errors import LockstepError
+from lockstep.live import lines
 from lockstep.live.checkpoint import check_labels
 from lockstep.live.sampler import SamplerPlace, continues
 from lockstep.runtime.data_passes import DataPasses
@@ -78,3 +79,13 @@ def test_a_replacement_refuses_state_labelled_for_another_step():
     with pytest.raises(LockstepError, match=r"rank 0 \(no post\) and the sampler's place "):
         check_labels({"rng": [None, 3], "sampler": 2}, 3, 0, {"sampler": sampler})
     check_labels({"rng": [3, 3], "sampler": 2}, 3, 0, {})  # no sampler given: not checked
+
+
+def test_a_script_that_numbers_its_steps_otherwise_is_told_which_save_is_accepted():
+    """`save(4)` after 4 finished steps used to read "saved step 4 where the engine counts
+    4 finished steps" (two equal numbers): the line names the rank, the call, the value
+    live recovery accepts and what to change."""
+    line = lines.miscounted(1, 4, 4)
+    assert line.startswith("rank 1: the script called Checkpointer.save(4) after 4 ")
+    assert "live recovery accepts save(3) here, the 0-based number of the step just" in line
+    assert "range(start, steps)" in line and "restore() + 1" in line

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.live import keys, lines, registry, wire
+from lockstep.live import keys, lines, registry, sealed, wire
 from lockstep.runtime.recovery import Point
 
 Statement = dict[str, Any]
@@ -37,7 +37,7 @@ def _key(rank: int) -> str:
 
 def post(statement: Statement) -> None:
     """This rank's statement, before the gather (the point's first collective)."""
-    registry.store().set(_key(dist.get_rank()), wire.pack(statement))
+    sealed.put_bytes(registry.store(), _key(dist.get_rank()), wire.pack(statement))
 
 
 def taken(replaced: list[int]) -> tuple[int, Statement]:
@@ -49,8 +49,9 @@ def taken(replaced: list[int]) -> tuple[int, Statement]:
     store = registry.store()
     donor = registry.donor_of(replaced)
     for rank in (0, donor):
-        if store.check([_key(rank)]):
-            return rank, wire.unpack(store.get(_key(rank)))
+        data = sealed.read_bytes(store, _key(rank))
+        if data is not None:
+            return rank, wire.unpack(data)
     raise lines.fallback(
         f"rank {dist.get_rank()} met the loss of rank(s) {replaced} in {Point.AGREEMENT.value}, "
         f"but neither rank 0 nor the donor (rank {donor}) had posted its statement"

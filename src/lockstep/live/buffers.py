@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.live import keys, lines, registry, wire
+from lockstep.live import keys, lines, registry, sealed, wire
 from lockstep.runtime.recovery import Point
 
 Buffers = dict[str, torch.Tensor]
@@ -70,7 +70,7 @@ class LiveBuffers:
             return
         step = self._steps() + 1
         value = (step, {n: b.detach().cpu() for n, b in self.ddp.broadcast_buffers_named()})
-        registry.store().set(keys.BUFFERS.format(parity=step % 2), wire.pack(value))
+        sealed.put_bytes(registry.store(), keys.BUFFERS.format(parity=step % 2), wire.pack(value))
 
     # ---------------------------------------------------------- at a recovery
     def lost_in_broadcast(self) -> Buffers:
@@ -144,8 +144,8 @@ class LiveBuffers:
         buffers the wrap made equal on every rank."""
         if steps == 0:
             return self._own()
-        store, key = registry.store(), keys.BUFFERS.format(parity=steps % 2)
-        step, buffers = wire.unpack(store.get(key)) if store.check([key]) else (None, {})
+        data = sealed.read_bytes(registry.store(), keys.BUFFERS.format(parity=steps % 2))
+        step, buffers = wire.unpack(data) if data is not None else (None, {})
         if step != steps:
             raise lines.fallback(
                 f"rank 0's buffers after the forward of step {steps} were not posted (found "

@@ -27,7 +27,7 @@ from torch import nn
 
 from lockstep.checkpoint import rng
 from lockstep.checkpoint.state import build_payload, load_component, load_model
-from lockstep.live import keys, lines, registry, save, wire
+from lockstep.live import keys, lines, registry, save, sealed, wire
 from lockstep.live.sampler import SamplerPlace, continues, received
 from lockstep.sharded.engine import ShardedDataParallel
 
@@ -57,10 +57,7 @@ class LiveState:
     def saved(self, step: int) -> None:
         """`save(step)` ran: the script's count and the engine's must agree, else refuse."""
         if self.miscount is None and registry.engines() and step != self.finished() - 1:
-            self.miscount = (
-                f"the script saved step {step} where the engine counts {self.finished()} "
-                "finished steps: the step a replacement resumes at would be wrong"
-            )
+            self.miscount = lines.miscounted(dist.get_rank(), step, self.finished())
             registry.declare()
 
     def refusal(self) -> str | None:
@@ -106,7 +103,7 @@ class LiveState:
         """This rank's generators as of `step` finished steps, kept in the store (the slot
         of that count's parity: the post before it stays)."""
         key = keys.RNG.format(rank=dist.get_rank(), parity=step % 2)
-        registry.store().set(key, wire.pack({"step": step, "state": rng.capture()}))
+        sealed.put_bytes(registry.store(), key, wire.pack({"step": step, "state": rng.capture()}))
 
 
 def register(checkpointer: Any, model: nn.Module, components: dict, step: int | None) -> None:
@@ -175,5 +172,5 @@ def check_labels(labels: dict[str, Any], finished: int, rank: int, components: d
 def _read_rng(rank: int, finished: int) -> dict[str, Any] | None:
     """`rank`'s post as of `finished` steps, or the one in its slot (checked by the
     replacement), or None."""
-    store, key = registry.store(), keys.RNG.format(rank=rank, parity=finished % 2)
-    return wire.unpack(store.get(key)) if store.check([key]) else None
+    data = sealed.read_bytes(registry.store(), keys.RNG.format(rank=rank, parity=finished % 2))
+    return wire.unpack(data) if data is not None else None

@@ -10,7 +10,6 @@ default group is the one replaced, so `torch.distributed.*` calls keep working.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 
@@ -19,7 +18,7 @@ from torch.distributed import distributed_c10d
 
 from lockstep import teardown
 from lockstep.env import read_variable
-from lockstep.live import keys
+from lockstep.live import keys, sealed
 
 LIVE_VARIABLE = "LOCKSTEP_LIVE"  # "1": the launcher replaces a lost worker live
 GENERATION_VARIABLE = "LOCKSTEP_LIVE_GENERATION"  # set in a replacement: its generation
@@ -92,12 +91,29 @@ def reform(store: dist.Store, generation: int, timeout: timedelta) -> dist.Proce
     return dist.distributed_c10d._get_default_group()
 
 
+def parse_announcement(stored: bytes | None) -> tuple[int, list[int]] | None:
+    """(generation, replaced ranks) sealed in `stored` (what `keys.GENERATION` holds);
+    None when absent, or when it does not open or parse (named once, `live/sealed.py`)."""
+    value = sealed.open_value(keys.GENERATION, stored)
+    if value is None:
+        return None
+    try:
+        return int(value["generation"]), [int(r) for r in value["replaced"]]
+    except (TypeError, KeyError, ValueError):
+        sealed.wrong_shape(keys.GENERATION, value, '{"generation": g, "replaced": [ranks]}')
+        return None
+
+
+def announcement(generation: int, replaced: list[int]) -> str:
+    """What a launcher stores under `keys.GENERATION`: the generation, sealed."""
+    return sealed.seal(keys.GENERATION, {"generation": generation, "replaced": replaced})
+
+
 def read_announcement(store: dist.Store) -> tuple[int, list[int]]:
-    """(generation, replaced ranks) as the launcher announced them; (0, []) before any."""
-    if not store.check([keys.GENERATION]):
-        return 0, []
-    value = json.loads(store.get(keys.GENERATION).decode())
-    return int(value["generation"]), [int(r) for r in value["replaced"]]
+    """(generation, replaced ranks) as the launcher announced them; (0, []) before any,
+    or when the value there does not open (a stranger's: ignored, named once)."""
+    stored = store.get(keys.GENERATION) if store.check([keys.GENERATION]) else None
+    return parse_announcement(stored) or (0, [])
 
 
 def await_generation(store: dist.Store, after: int, timeout_s: float) -> tuple[int, list[int]]:

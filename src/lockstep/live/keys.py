@@ -27,6 +27,11 @@ whole-group restart); one per generation names the generation.
   "1", so a rank lost after it is not replaced (`launch/recovery/finished.py`); and
   `ENDED_COUNT`, how many did, which a launcher reads first (one call, not one a rank).
 
+Every value above is sealed with the job's secret for this launch and round
+(`live/sealed.py`; `ENDED_COUNT`, a counter, is only a hint read before the sealed
+`ENDED` posts), and a value that does not open is ignored with a line naming its key.
+`GROUP` holds torch's own keys of a generation's group, which torch reads unsealed.
+
 A lost node's place (`launch/recovery/nodes.py`, `rejoin.py`) is negotiated in the
 rendezvous store instead, sealed, in the round (names relative to the round):
 

@@ -60,6 +60,32 @@ def not_possible(reason: str, restarts_left: bool = True) -> str:
     return f"live recovery not possible: {reason}; {FALLBACK} {RESTART}"
 
 
+def miscounted(rank: int, step: int, finished: int) -> str:
+    """Why a rank whose script numbers its steps otherwise than the engine is not recoverable.
+
+    Live recovery accepts `save(step)` with `step` the 0-based number of the step just
+    finished (one less than the steps finished): a replacement resumes at `step + 1`.
+    """
+    return (
+        f"rank {rank}: the script called Checkpointer.save({step}) after {finished} "
+        f"synchronised steps; live recovery accepts save({finished - 1}) here, the 0-based "
+        "number of the step just finished (the step a replacement would resume at, "
+        f"save's step + 1, would be wrong: {step + 1} instead of {finished}). Number the "
+        "steps from 0, as `for step in range(start, steps): ...; ckpt.save(step, ...)` with "
+        "`start = restore() + 1` does, or run without --live-recovery"
+    )
+
+
+def ignored(key: str, found: str) -> str:
+    """The line for a value in the worker store that does not open (`live/sealed.py`)."""
+    return (
+        f"ignored what the worker store holds under {key}: {found}; expected a value sealed "
+        "with the job's secret for this launch and round. Something other than the job "
+        "writes into the worker store: allow its port to the training nodes only "
+        "(docs/design/store-security.md)"
+    )
+
+
 def finished(reason: str) -> str:
     """The launcher's line for a loss after the peers' scripts ended (nothing to recover)."""
     return f"live recovery not possible: {reason}; {FINISHED}"

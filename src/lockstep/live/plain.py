@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.live import keys, lines
+from lockstep.live import keys, lines, sealed
 from lockstep.live import wire as live_wire
 
 NOT_RESTORED = (
@@ -27,12 +27,11 @@ NOT_RESTORED = (
 
 def post_handover(store: dist.Store, rank: int, plain: bool) -> None:
     """Say which hand-over this rank would serve as a donor."""
-    store.set(keys.HANDOVER.format(rank=rank), "plain" if plain else "checkpointer")
+    sealed.put(store, keys.HANDOVER.format(rank=rank), "plain" if plain else "checkpointer")
 
 
 def donor_is_plain(store: dist.Store, donor: int) -> bool:
-    key = keys.HANDOVER.format(rank=donor)
-    return store.check([key]) and store.get(key).decode() == "plain"
+    return sealed.read(store, keys.HANDOVER.format(rank=donor)) == "plain"
 
 
 class PlainServer:

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lockstep.live import keys, lines, registry, wire
+from lockstep.live import keys, lines, registry, sealed, wire
 from lockstep.runtime.recovery import Point
 
 POST_WAIT_S = 30.0
@@ -38,16 +38,17 @@ def _key() -> str:
 def post(order: list[int]) -> None:
     """Rank 0, before it broadcasts its order: the same order, in the store."""
     if dist.get_rank() == 0:
-        registry.store().set(_key(), wire.pack(list(order)))
+        sealed.put_bytes(registry.store(), _key(), wire.pack(list(order)))
 
 
 def agreed(own: list[int]) -> list[int]:
     """The donor, in the broadcast at a hand-over: rank 0's posted order, else its own
     (posted now, before the state goes over, so that every survivor reads the same)."""
     store, key = registry.store(), _key()
-    if store.check([key]):
-        return wire.unpack(store.get(key))
-    store.set(key, wire.pack(list(own)))
+    data = sealed.read_bytes(store, key)
+    if data is not None:
+        return wire.unpack(data)
+    sealed.put_bytes(store, key, wire.pack(list(own)))
     return list(own)
 
 
@@ -66,4 +67,10 @@ def posted() -> list[int]:
             f"rank {dist.get_rank()} met the loss in {Point.REBUILD.value}, but neither rank 0 "
             f"nor the donor posted the order within {POST_WAIT_S:.0f} s"
         ) from error
-    return wire.unpack(store.get(key))
+    data = sealed.read_bytes(store, key)
+    if data is None:
+        raise lines.fallback(
+            f"rank {dist.get_rank()} met the loss in {Point.REBUILD.value}, but the order posted "
+            f"under {key} does not open (named above)"
+        )
+    return wire.unpack(data)

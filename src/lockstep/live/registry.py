@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_timeout, read_variable
-from lockstep.live import group, keys, lines, plain, standing
+from lockstep.live import group, keys, lines, plain, sealed, standing
 from lockstep.runtime import waits
 from lockstep.runtime.recovery import Point, Position, Where
 
@@ -232,7 +232,7 @@ def declare() -> None:
         return
     rank = dist.get_rank()
     plain.post_handover(store(), rank, plain=_live.server is None)
-    store().set(keys.READY.format(rank=rank), refusal() or "")
+    sealed.put(store(), keys.READY.format(rank=rank), refusal() or "")
 
 
 def adopt_received(states: list[dict[str, Any]]) -> None:
@@ -252,7 +252,12 @@ def donor_of(replaced: list[int]) -> int:
 def donor() -> int:
     """A replacement: the survivor that sends it the state, read from where the survivors
     stand (the lowest rank of those furthest ahead, `live/standing.py`)."""
-    _, replaced = group.read_announcement(store())
+    generation, replaced = group.read_announcement(store())
+    if generation != _live.generation:
+        raise lines.fallback(
+            f"rank {dist.get_rank()}, started for generation {_live.generation}, found "
+            f"generation {generation} announced in the worker store (overwritten)"
+        )
     wait_s = read_seconds(ANNOUNCE_WAIT_VARIABLE, DEFAULT_ANNOUNCE_WAIT_S)
     stands = standing.read(store(), _live.generation, _survivors(replaced), wait_s)
     return standing.donor(stands)
@@ -344,7 +349,7 @@ def generation() -> int:
 def post_joined() -> None:
     """Tell the launcher this rank is in the new generation with its state."""
     key = keys.JOINED.format(generation=_live.generation, rank=dist.get_rank())
-    store().set(key, "1")
+    sealed.put(store(), key, 1)
 
 
 def post_ended() -> None:
@@ -354,7 +359,7 @@ def post_ended() -> None:
     if not enabled():
         return
     try:
-        store().set(keys.ENDED.format(rank=read_variable("RANK") or "0"), "1")
+        sealed.put(store(), keys.ENDED.format(rank=read_variable("RANK") or "0"), 1)
         store().add(keys.ENDED_COUNT, 1)
     except RuntimeError:  # the store is gone: the job is ending anyway
         return

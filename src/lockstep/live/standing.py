@@ -27,13 +27,12 @@ Cost: one store write and one read per survivor per recovery.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from lockstep.live import keys, lines
+from lockstep.live import keys, lines, sealed
 from lockstep.runtime.recovery import Point, Where
 
 
@@ -77,7 +76,7 @@ def survey(
     store: dist.Store, generation: int, mine: Stand, survivors: list[int], wait_s: float
 ) -> list[Stand]:
     """Post where this survivor stands in `generation`; read every survivor's (`read`)."""
-    store.set(_key(generation, mine.rank), json.dumps(asdict(mine)))
+    sealed.put(store, _key(generation, mine.rank), asdict(mine))
     return read(store, generation, survivors, wait_s)
 
 
@@ -96,7 +95,26 @@ def read(store: dist.Store, generation: int, survivors: list[int], wait_s: float
             f"rank {dist.get_rank()} waited {wait_s:.0f} s for survivor(s) {missing} to say "
             f"where they recover in generation {generation}"
         ) from error
-    return [Stand(**json.loads(store.get(key).decode())) for key in posts]
+    stands = [_stand(store, key) for key in posts]
+    unread = [r for r, stand in zip(survivors, stands, strict=True) if stand is None]
+    if unread:
+        raise lines.fallback(
+            f"rank {dist.get_rank()} could not read where survivor(s) {unread} recover in "
+            f"generation {generation}: their posts do not open (named above)"
+        )
+    return [stand for stand in stands if stand is not None]
+
+
+def _stand(store: dist.Store, key: str) -> Stand | None:
+    """The post under `key`, or None when it does not open or parse (named once)."""
+    value = sealed.read(store, key)
+    if value is None:
+        return None
+    try:
+        return Stand(**value)
+    except TypeError:
+        sealed.wrong_shape(key, value, "where a survivor met the loss")
+        return None
 
 
 def furthest(stands: list[Stand]) -> int:

@@ -19,7 +19,6 @@ an optional bound of its own (a checkpoint's barrier).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lockstep.env import read_seconds, read_variable
-from lockstep.runtime import progress, threads
+from lockstep.runtime import error_files, progress, threads
 from lockstep.runtime.handles import CollectiveHandle, WorkHandle
 
 WARN_VARIABLE = "LOCKSTEP_STALL_WARN_S"
@@ -139,18 +138,24 @@ def _others(wait: _Wait) -> dict[int, str | None]:
     return seen
 
 
-def missing_line(wait: _Wait, others: dict[int, str | None]) -> str:
-    """'rank(s) 1 have not launched it (rank 1: no wait posted)', or '' when all have."""
-    missing = []
+def missing_ranks(wait: _Wait, others: dict[int, str | None]) -> dict[int, str]:
+    """Rank -> where it is, for each rank that has not launched `wait`'s collective."""
+    missing = {}
     for rank, posted in sorted(others.items()):
         if posted is None:
-            missing.append(f"rank {rank}: not waiting in any lockstep collective")
+            missing[rank] = "not waiting in any lockstep collective"
         elif posted.split("\n", 1)[0] != wait.what:
-            missing.append(f"rank {rank}: last seen waiting on {posted.split(chr(10), 1)[-1]}")
+            missing[rank] = f"last seen waiting on {posted.split(chr(10), 1)[-1]}"
+    return missing
+
+
+def missing_line(wait: _Wait, others: dict[int, str | None]) -> str:
+    """'rank(s) 1 have not launched it (rank 1: no wait posted)', or '' when all have."""
+    missing = missing_ranks(wait, others)
     if not missing:
         return ""
-    ranks = ", ".join(m.split(":")[0].removeprefix("rank ") for m in missing)
-    return f"rank(s) {ranks} have not launched it ({'; '.join(missing)})"
+    where = "; ".join(f"rank {rank}: {at}" for rank, at in missing.items())
+    return f"rank(s) {', '.join(map(str, missing))} have not launched it ({where})"
 
 
 def _warn(wait: _Wait, age: float) -> str:
@@ -168,23 +173,37 @@ def _warn(wait: _Wait, age: float) -> str:
 
 
 def _end(wait: _Wait, age: float, end_s: float) -> None:
-    """Past LOCKSTEP_STALL_TIMEOUT_S: say who is missing, in torchrun's error file too; exit."""
-    missing = missing_line(wait, _others(wait))
+    """Past LOCKSTEP_STALL_TIMEOUT_S: say who is missing, in torchrun's error files too; exit.
+
+    The stuck ranks come first in the message, and a stuck rank on this node gets its
+    own error file, so torchrun's "Root Cause" names it (`runtime/error_files.py`).
+    """
+    me, others = _my_rank(), _others(wait)
+    missing, stuck = missing_line(wait, others), missing_ranks(wait, others)
+    bound = f"({END_VARIABLE}={end_s:g})"
     blame = (
-        f"stuck: {missing}; rank {_my_rank()} only waited for them"
+        f"stuck: {missing}, the {wait.what} that rank {me} waited on for {age:.0f} s; "
+        f"rank {me} only waited for them and ended the run {bound}"
         if missing
-        else "every rank of the group is waiting on it too (a rank on another path?)"
+        else f"rank {me} waited {age:.0f} s on {wait.what} {bound}, and every rank of the "
+        "group is waiting on it too (a rank on another path?)"
     )
     message = (
-        f"lockstep [rank {_my_rank()}]: ended the run after waiting {age:.0f} s on "
-        f"{wait.what} ({END_VARIABLE}={end_s:g}): {blame}. Their own logs show where they "
-        "stopped; a rank that is alive but stuck can be inspected with py-spy dump."
+        f"lockstep [rank {me}]: {blame}. Their own logs show where they stopped; a rank "
+        "that is alive but stuck can be inspected with py-spy dump."
     )
     print(message, file=sys.stderr, flush=True)
-    error_file = read_variable("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # what torchrun prints as the failure's message
-        with open(error_file, "w") as fp:
-            json.dump({"message": message, "timestamp": int(time.time())}, fp)
+    now = int(time.time())
+    began = min(int(time.time() - age), now - 1)  # earlier than this rank's own failure
+    for rank, at in stuck.items():
+        error_files.name_stuck(
+            rank,
+            f"lockstep: rank {rank} is stuck: it never launched {wait.what}, which rank {me} "
+            f"waited on for {age:.0f} s ({at}); rank {me}'s stall bound ended the run "
+            f"{bound}. Rank {rank}'s own log shows where it stopped.",
+            began,
+        )
+    error_files.write_own(message, now)  # what torchrun prints as this rank's failure
     os._exit(STALL_EXIT_CODE)  # the main thread is blocked inside the collective
 
 

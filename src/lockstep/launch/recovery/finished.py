@@ -20,16 +20,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.live import keys, lines
+from lockstep.live import keys, lines, sealed
 
 FINISH_WAIT_S = 30.0  # the longest wait for this node's other workers to end their script
 
 
 def ended(store: dist.Store, world_size: int, here: set[int]) -> set[int]:
-    """Global ranks whose script ended well: posted in the store, or seen `here` (this node)."""
+    """Global ranks whose script ended well: posted in the store (sealed: a stranger's
+    post is ignored, `live/sealed.py`), or seen `here` (this node)."""
     if not store.add(keys.ENDED_COUNT, 0):  # nobody posted: one call, whatever the world size
         return set(here)
-    posted = {r for r in range(world_size) if store.check([keys.ENDED.format(rank=r)])}
+    posted = {r for r in range(world_size) if sealed.read(store, keys.ENDED.format(rank=r)) == 1}
     return posted | here
 
 

@@ -31,7 +31,7 @@ from lockstep.launch.recovery.settle import settle
 from lockstep.launch.recovery.spares import SparePool, start_worker
 from lockstep.launch.watches.exits import ExitWatch
 from lockstep.live import group as live_group
-from lockstep.live import keys, lines
+from lockstep.live import keys, lines, sealed
 
 log = logging.getLogger("lockstep.run")
 STORE_TIMEOUT_S = 10.0
@@ -170,7 +170,8 @@ class LiveReplacer:
             self._refuse(reason)
             return False
         ranks = [worker_group.workers[lr].global_rank for lr in sorted(failed)]
-        claimed = generations.claim(self._worker_store(worker_group), ranks, world_size)
+        store = self._worker_store(worker_group)
+        claimed = generations.claim(store, ranks, world_size, known=self.generation)
         if isinstance(claimed, str):
             self._refuse(claimed)
             return False
@@ -212,7 +213,7 @@ class LiveReplacer:
         peers = finished.ended(store, group.workers[0].world_size, here)
         if self._pending is not None:
             generation = self._pending[0]
-            peers = {r for r in peers if not store.check([_joined_key(generation, r)])}
+            peers = {r for r in peers if sealed.read(store, _joined_key(generation, r)) != 1}
             if not peers:
                 return
             ranks = generations.announced(store)[1]
@@ -301,8 +302,7 @@ class LiveReplacer:
         if self._pending is None:
             return
         generation, since = self._pending
-        joined = [_joined_key(generation, r) for r in range(world_size)]
-        if not self._worker_store(group).check(joined):
+        if not generations.joined(self._worker_store(group), generation, world_size):
             return
         seconds = time.monotonic() - since
         self.recoveries.append((generation, seconds))

@@ -12,6 +12,7 @@ moment for the others' reports, and either restarts into a fresh rendezvous roun
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from lockstep.launch.supervise import group
 from lockstep.launch.watches.exits import ExitWatch, ended_path
 from lockstep.launch.watches.stall import StallWatch
 from lockstep.launch.watches.watchdog import Watchdog
+from lockstep.live import sealed
 
 log = logging.getLogger("lockstep.run")
 BEAT_S = 1.0
@@ -136,6 +138,8 @@ class LockstepAgent(LocalElasticAgent):
         allow = self._rdzv_timeout_s + 2 * self.rendezvous.store.op_timeout_s
         self._watchdog.pet("joining the rendezvous", allow)
         super()._rendezvous(worker_group)
+        # what the workers seal live recovery's values for: this launch and this round
+        os.environ.update(sealed.variables(self.rendezvous.job, self.rendezvous.round))
         self._watchdog.pet("starting the workers")
         if self.rendezvous.round > self.restart_count:  # node 0 was started again
             spent = self.rendezvous.round
