@@ -20,6 +20,10 @@ class RankMismatchError(LockstepError):
     """Ranks disagree about something they must agree on (parameters, data, config)."""
 
 
+class ReplicaMismatchError(RankMismatchError):
+    """Replicas (parameters, buffers, optimizer state) differ; `runtime/replica_check.py`."""
+
+
 class UnusedParametersError(LockstepError):
     """Some parameters received no gradient although find_unused_parameters=False."""
 

@@ -24,12 +24,14 @@ from lockstep.checkpoint import rng
 from lockstep.checkpoint.coordination import Coordination, coordination_group
 from lockstep.checkpoint.files import CheckpointFiles
 from lockstep.checkpoint.finite import first_nonfinite, refusal, write_aside
+from lockstep.checkpoint.replicas import differing, restore_refusal, save_refusal, state_digests
 from lockstep.checkpoint.sharded import gather_for_save, load_sharded
 from lockstep.checkpoint.state import build_payload, device_of, load_component, load_model
 from lockstep.context import group_context
 from lockstep.env import read_timeout
 from lockstep.errors import CheckpointError
 from lockstep.runtime import progress, recovery
+from lockstep.runtime.replica_check import wanted
 from lockstep.sharded.engine import ShardedDataParallel
 
 DCP_REFUSAL = 'Checkpointer(format="dcp") is not handed over live; use the default format'
@@ -61,6 +63,9 @@ class Checkpointer:
         format: "lockstep" (one file, written by rank 0) or "dcp" (torch's distributed
             checkpoint: every rank writes its own part, torch's FSDP2 reads it;
             `dcp_checkpointer.py`, docs/checkpoints.md).
+        check_replicas: commit a save, and accept a restore, only when every rank holds
+            the same parameters and optimizer state (`checkpoint/replicas.py`; the
+            "lockstep" format with a replicated model; LOCKSTEP_CHECK_REPLICAS=0 too).
 
     Attributes:
         extra: after `restore()`, the `extra` that was saved with the checkpoint.
@@ -74,6 +79,7 @@ class Checkpointer:
         timeout_s: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         format: str = "lockstep",
+        check_replicas: bool = True,
     ) -> None:
         if format not in ("lockstep", "dcp"):
             raise ValueError(f'format must be "lockstep" or "dcp"; found {format!r}')
@@ -91,6 +97,7 @@ class Checkpointer:
             self._dcp = DcpFormat(self.directory, keep, self._ranks)
             self.files = self._dcp.files
         self.extra: Any = None
+        self.check_replicas = wanted(check_replicas) and self.world_size > 1
 
     def save(
         self,
@@ -141,10 +148,15 @@ class Checkpointer:
         # Every rank gathers (sharded models); rank 0 writes.
         model, optimizer = gather_for_save(components["model"], components["optimizer"])
         states = self._gather_rng()
+        digests = self._gather_digests(components["model"], components["optimizer"])
         error = None
         if self.rank == 0:
-            components = {**components, "model": model, "optimizer": optimizer}
-            error = self._write(step, components, states, extra)
+            found = differing(digests) if digests else None
+            if found is not None:  # never commit replicas that differ (`replicas.py`)
+                error = save_refusal(step, found, self.files.committed_step()[0])
+            else:
+                components = {**components, "model": model, "optimizer": optimizer}
+                error = self._write(step, components, states, extra)
         self._ranks.wait_for_rank0(f"checkpoint save of step {step} to {self.directory}")
         error = self._ranks.from_rank0(error)
         if error is not None:
@@ -221,7 +233,9 @@ class Checkpointer:
         if path is None:
             return None
         components = dict(components)  # _apply takes the optimizer out for sharded models
+        optimizer = components["optimizer"]
         self._ranks.raise_if_any(self._apply(path, payload, device, model, components))
+        self._check_loaded(path, model, optimizer)
         self._restore_rng(path, payload)
         return int(payload["step"])
 
@@ -266,3 +280,22 @@ class Checkpointer:
 
     def _gather_rng(self) -> list[Any]:
         return self._ranks.to_rank0(rng.capture())
+
+    def _compares(self, model: nn.Module) -> bool:
+        return self.check_replicas and not isinstance(model, ShardedDataParallel)
+
+    def _gather_digests(self, model: nn.Module, optimizer: Any) -> list[Any]:
+        """Every rank's state digests on rank 0 (nothing when the check is off)."""
+        if not self._compares(model):
+            return []
+        return self._ranks.to_rank0(state_digests(model, optimizer))
+
+    def _check_loaded(self, path: Path, model: nn.Module, optimizer: Any) -> None:
+        """After a restore: every rank holds the same state, or raise naming who does not."""
+        if not self._compares(model):
+            return
+        found = differing(self._ranks.everyone(state_digests(model, optimizer)))
+        if found is not None:
+            raise CheckpointError(
+                f"{restore_refusal(str(path), found)} (raised on rank {self.rank})"
+            )

@@ -61,6 +61,7 @@ class DDPArguments:
     local_world_size: int | None = None
     check_data_passes: bool = True
     nonfinite: str = "raise"
+    check_replicas: bool | None = None  # None: on unless init_sync=False
 
     def __post_init__(self) -> None:
         NonFinite.parse(self.nonfinite)  # ValueError naming the choices, on every rank

@@ -18,6 +18,7 @@ from lockstep.engine.mixed_precision import MixedPrecision, MixedPrecisionReduce
 from lockstep.engine.reducer import BucketCaps, Reducer
 from lockstep.runtime.bucket_collective import AllReduceMean, BucketCollective, SkipUnusedBuckets
 from lockstep.runtime.finite import FiniteGuard, bucket_params
+from lockstep.runtime.replica_check import ReplicaGuard, wanted
 from lockstep.runtime.transport import Transport
 
 
@@ -37,6 +38,22 @@ def build_nonfinite(
 
     locate = bucket_params([name for name, _ in named])
     return FiniteGuard(args.nonfinite, args.group, ctx.rank, locate, drop_grads)
+
+
+def build_replicas(
+    args: DDPArguments, ctx: DistContext, reducer: Reducer, state: list[tuple[str, torch.Tensor]]
+) -> ReplicaGuard:
+    """The replica check (`runtime/replica_check.py`) of the reducer's parameters and the
+    rest of `state` (buffers, frozen parameters), attached to the reducer's driver (its
+    end_step first of the driver's end-of-step actions)."""
+    named = list(zip(reducer.names, reducer.params, strict=True))
+    trained = {id(p) for p in reducer.params}
+    others = [(n, t) for n, t in state if id(t) not in trained]
+    # init_sync=False: torch lets each rank start from its own weights; not compared
+    on = wanted(args.init_sync if args.check_replicas is None else args.check_replicas)
+    guard = ReplicaGuard(on, args.group, ctx.rank, ctx.world_size, named, others)
+    guard.attach(reducer.driver)
+    return guard
 
 
 def build_reducer(

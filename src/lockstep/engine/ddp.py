@@ -28,13 +28,14 @@ from torch.utils._pytree import tree_map
 
 from lockstep.context import DistContext, group_context
 from lockstep.engine import join
-from lockstep.engine.args import (
-    DDPArguments,
-    check_module,
-    ignore_for_model,
-    managed_parameters,
+from lockstep.engine.args import DDPArguments, check_module, ignore_for_model, managed_parameters
+from lockstep.engine.build import (
+    build_mixed_precision,
+    build_nonfinite,
+    build_reducer,
+    build_replicas,
+    with_skip,
 )
-from lockstep.engine.build import build_mixed_precision, build_nonfinite, build_reducer, with_skip
 from lockstep.engine.comm_hooks import check_comm_hook
 from lockstep.engine.compiler import keep_out_of_graphs
 from lockstep.engine.delayed import DelayedAllReduce, build_delayed
@@ -56,18 +57,17 @@ from lockstep.runtime.wrap_hooks import wrapped
 
 # What `__getstate__` leaves out (a group, a hook, a Work, a tracer); `__setstate__` rebuilds it.
 _PER_PROCESS = ("process_group", "ctx", "reducer", "nonfinite", "_delayed", "_static", "_mp")
-_PER_PROCESS += ("_buffer_owners", "_hooked", "env_tracer", "join_announcement")
+_PER_PROCESS += ("_buffer_owners", "_hooked", "env_tracer", "join_announcement", "replicas")
 
 
 class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncToggle):
     """Data-parallel wrapper with torch DDP's arguments, attributes and semantics.
 
-    The arguments are torch 2.13's, in its positional order, then lockstep's
-    keyword-only `first_bucket_cap_mb`, `allreduce` ("native", or "ring", "tree",
-    "hierarchical" from `lockstep.collectives`), `local_world_size` (processes per
-    node for "hierarchical") and `check_data_passes` (the step fingerprint compares
-    passes over the data). `engine/args.py` documents each; `docs/compat.md` lists
-    what each does here and the test that shows it.
+    The arguments are torch 2.13's, in its positional order, then lockstep's keyword-only
+    `first_bucket_cap_mb`, `allreduce` ("native", "ring", "tree", "hierarchical"),
+    `local_world_size`, `check_data_passes`, `nonfinite` and `check_replicas` (every step
+    compares the ranks' replicas: `runtime/replica_check.py`). `engine/args.py` documents
+    each; `docs/compat.md` lists what each does here and the test that shows it.
 
     Raises:
         RuntimeError: no trainable parameter; process_group with device_mesh.
@@ -106,6 +106,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         local_world_size: int | None = None,
         check_data_passes: bool = True,
         nonfinite: str = "raise",
+        check_replicas: bool | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -134,6 +135,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
             local_world_size,
             check_data_passes,
             nonfinite,
+            check_replicas,
         )
         refuse_wrapped_inside(module, "lockstep.DistributedDataParallel")
         self._engines_checked = check_engines(args.init_sync, args.group)  # first: as torch's
@@ -190,6 +192,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         params = [p for _, p in self.named_state(buffers=False)]
         self._mp = build_mixed_precision(self._args, self.reducer, self.module, params)
         self.nonfinite.attach(self.reducer.driver)  # its end_step after _mp's restore
+        self.replicas = build_replicas(self._args, self.ctx, self.reducer, self.named_state(True))
         me = weakref.ref(self)  # the reducer holds no strong reference to its wrapper
         self.reducer.sync_requested = lambda: (w := me()) is None or w.require_backward_grad_sync
         weakref.finalize(self, self.reducer.remove_hooks)  # the module may outlive its wrapper
@@ -292,6 +295,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         self.reducer.driver.check_previous_step()
         grad_enabled = torch.is_grad_enabled()
         args, kwargs = self._pre_forward(grad_enabled, args, kwargs)
+        self.replicas.before_forward()  # the first: which buffers a forward moves
         output = self.module(*args, **kwargs)
         # Read after the module, as torch does: Lightning's manual optimization turns the
         # switch off inside its forward (its backwards arm themselves: prepare_for_backward).
@@ -300,6 +304,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         if grad_sync:
             self.reducer.arm(self._unused(output), start, time.perf_counter())
             self.nonfinite.note_forward()  # fp16 autocast: GradScaler owns overflow
+            self.replicas.after_forward()
             if self._static is not None:
                 output = self._static.wrap_output(output)
         else:
@@ -379,6 +384,7 @@ class DistributedDataParallel(nn.Module, join.JoinableDDP, EngineFigures, SyncTo
         self.process_group = group
         self.reducer.use_group(group)
         self.nonfinite.group = group
+        self.replicas.group = group
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict: same keys as without the wrapper."""

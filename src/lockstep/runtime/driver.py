@@ -41,6 +41,7 @@ from lockstep.runtime.streams import at_backward_end
 
 StepObserver = Callable[[StepStats], None]
 Verdict = Callable[[], torch.Tensor | None]  # this rank's non-finite count, on the device
+Digest = Callable[[], torch.Tensor | None]  # this rank's folded replica digest, on the device
 _queue_at_backward_end = at_backward_end  # on the caller's streams: `runtime/streams.py`
 
 
@@ -118,6 +119,10 @@ class BackwardDriver:
         self.observers: list[StepObserver] = []
         self.end_of_step: list[Callable[[], None]] = []
         self.verdict: Verdict = _no_verdict  # the non-finite check's (`runtime/finite.py`)
+        # The replica check's (`runtime/replica_check.py`): a bucket's parameters digested
+        # as it launches, the fold sent in the fingerprint.
+        self.digest_bucket: Callable[[Bucket], None] | None = None
+        self.digest: Digest = _no_verdict
         # A collective that counts what it sent, per level (the sharded ring); None: ring figure.
         self.wire_counter: Callable[[], dict[str, int]] | None = None
         self.step: StepState | None = None  # None outside a synchronised backward
@@ -203,6 +208,8 @@ class BackwardDriver:
             if bucket.pending:
                 return
             bucket.times.launched = time.perf_counter()
+            if self.digest_bucket is not None:
+                self.digest_bucket(bucket)
             if self.recovery is not None:
                 self.recovery.launching(step.next_bucket, bucket)
             bucket.handle = self.collective.launch(bucket, step.next_bucket == last)
@@ -222,9 +229,9 @@ class BackwardDriver:
             self.send_fingerprint(step)
 
     def send_fingerprint(self, step: StepState) -> None:
-        """The step's fingerprint, with this rank's non-finite verdict."""
+        """The step's fingerprint, with this rank's non-finite verdict and replica digest."""
         step.fingerprint_sent = True
-        self.fingerprint.launch(step.fingerprint, self.verdict())
+        self.fingerprint.launch(step.fingerprint, self.verdict(), self.digest())
 
     def check_fingerprint(self, step: StepState) -> None:
         """The buckets are waited: send the fingerprint if it was kept back, then check it."""
@@ -297,5 +304,5 @@ class BackwardDriver:
 
 
 def _no_verdict() -> None:
-    """No non-finite check (nonfinite="off"): the fingerprint's last slot stays 0."""
+    """No non-finite check (nonfinite="off"), or no replica check: their slots stay 0."""
     return None

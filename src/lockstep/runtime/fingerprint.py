@@ -17,7 +17,10 @@ A rank that has run out of data under Join shadows the collective with zeros
 (`launch(None)`, after its shadow buckets): it is not counted, but checks and
 raises with the others. The data pass has a count of its own, of the ranks that
 read their data: a rank fed by another (Accelerate's dispatch_batches) says 0 and
-is not compared.
+is not compared. Before that last slot, `SLOTS` digest values and their squares
+carry the replica check's fold of this rank's parameters and buffers
+(`runtime/replica_check.py`), compared the same way: `replicas_agree` says whether
+every rank taking part sent the same (zeros when the check is off).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from lockstep.errors import RankMismatchError
 from lockstep.runtime import progress, waits
 from lockstep.runtime.control_device import control_device, to_control_device
 from lockstep.runtime.handles import WorkHandle
+from lockstep.runtime.replica_digest import SLOTS
 
 FIELDS = ("synchronised step", "data pass", "micro-batches", "bucket layout")
 
@@ -55,12 +59,15 @@ class StepFingerprint:
     Attributes:
         flagged: after `check`, the buckets whose local sum was not finite, counted over
             every rank (0: no rank found a NaN or an infinity; `runtime/finite.py`).
+        replicas_agree: after `check`, whether every rank sent the same replica digest
+            (`runtime/replica_check.py`).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, rank: int, world_size: int):
         self.group = process_group
         self.rank, self.world_size = rank, world_size
         self.flagged = 0
+        self.replicas_agree = True
         self._mine: Fingerprint | None = None
         self._sums: torch.Tensor | None = None
         self._work: dist.Work | None = None
@@ -73,28 +80,40 @@ class StepFingerprint:
         if self.world_size > 1:
             progress.note(progress.Phase.BACKWARD, self._step)
 
-    def launch(self, mine: Fingerprint | None, flag: torch.Tensor | None = None) -> None:
-        """Start the all-reduce of (1, reading, v..., v*v..., flag); None: a shadow of zeros.
+    def launch(
+        self,
+        mine: Fingerprint | None,
+        flag: torch.Tensor | None = None,
+        digest: torch.Tensor | None = None,
+    ) -> None:
+        """Start the all-reduce of (1, reading, v..., v*v..., d..., d*d..., flag); None: a
+        shadow of zeros.
 
         Args:
             mine: this rank's fingerprint of the step.
             flag: this rank's count of non-finite buckets, a tensor on the buckets' device
                 (None: none checked). Copied into the sums on the device, never read here.
+            digest: this rank's `SLOTS` replica digest values, each below 2**24, on the
+                device (None: not checked, zeros). Squared and copied there, never read.
         """
         self._mine = mine
         if self.world_size == 1:
             self._flag = flag
             return
         if mine is None:
-            sums = torch.zeros(3 + 2 * len(FIELDS), dtype=torch.int64)
+            sums = torch.zeros(3 + 2 * len(FIELDS) + 2 * SLOTS, dtype=torch.int64)
         else:
             values = torch.tensor(mine.values(), dtype=torch.int64)
             counts = torch.tensor([1, int(mine.data_pass > 0)], dtype=torch.int64)
-            zero = torch.zeros(1, dtype=torch.int64)
+            zero = torch.zeros(1 + 2 * SLOTS, dtype=torch.int64)
             sums = torch.cat([counts, values, values * values, zero])
         sums = to_control_device(sums, control_device(self.group))  # NCCL takes CUDA only
         if flag is not None:
             sums[-1:].copy_(flag.reshape(1))
+        if digest is not None and mine is not None:
+            at = 2 + 2 * len(FIELDS)
+            sums[at : at + SLOTS].copy_(digest)
+            sums[at + SLOTS : at + 2 * SLOTS].copy_(digest * digest)
         self._sums = sums
         self._work = dist.all_reduce(sums, group=self.group, async_op=True)
 
@@ -116,6 +135,11 @@ class StepFingerprint:
         values = self._sums.tolist()
         taking_part, reading = values[0], values[1]
         sums, squares = values[2 : 2 + n], values[2 + n : 2 + 2 * n]
+        digests = values[2 + 2 * n : 2 + 2 * n + SLOTS]
+        self.replicas_agree = all(
+            taking_part * sq == d * d
+            for d, sq in zip(digests, values[2 + 2 * n + SLOTS : -1], strict=True)
+        )
         self.flagged = values[-1]
         parts = [reading if name == "data pass" else taking_part for name in FIELDS]
         if all(m * sq == s * s for m, s, sq in zip(parts, sums, squares, strict=True)):
@@ -128,6 +152,7 @@ class StepFingerprint:
         matched there, and carried `flagged`)."""
         self._work = None
         self.flagged = flagged
+        self.replicas_agree = True
         progress.note(progress.Phase.SYNCHRONISED, self._step)
 
     def _mismatch(self, mine: Fingerprint | None) -> RankMismatchError:
