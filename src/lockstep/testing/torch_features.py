@@ -37,7 +37,14 @@ def torch_version() -> tuple[int, int]:
 
 # lockstep's own keyword arguments: never torch's, so never "missing" from torch.
 LOCKSTEP_ONLY = frozenset(
-    {"first_bucket_cap_mb", "allreduce", "local_world_size", "check_data_passes", "nonfinite"}
+    {
+        "first_bucket_cap_mb",
+        "allreduce",
+        "local_world_size",
+        "check_data_passes",
+        "nonfinite",
+        "check_replicas",
+    }
 )
 
 
