@@ -16,12 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from engine_models import MLP
 
 import lockstep
 from lockstep.errors import CheckpointError
 from lockstep.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # three 2-rank jobs with saves: make test, not the inner loop
 
 STEPS, FAULT_STEP = 5, 3
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from launchkit import TRAIN, final_params
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(600)]
+# A whole mpirun job beside a `lockstep run` reference: make soak (CI), for make test's time.
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(600)]
 
 
 def mpirun_argv(nproc: int, script: list[str]) -> list[str]:

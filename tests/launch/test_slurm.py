@@ -71,6 +71,7 @@ def _reference(request: pytest.FixtureRequest) -> dict[str, torch.Tensor]:
     return request.getfixturevalue("lockstep_run_reference")
 
 
+@pytest.mark.soak  # a whole srun job beside a reference: make soak (CI), for make test's time
 def test_srun_two_tasks_train_bitwise_like_lockstep_run(slurm, request, tmp_path):
     argv = ["srun", "-n", "2", "--time=5", "python", TRAIN, "--out", str(tmp_path)]
     done = subprocess.run(

@@ -26,6 +26,7 @@ WARN_S = 5
 
 @pytest.mark.netns
 @pytest.mark.slow
+@pytest.mark.soak  # two nodes and a 15 s bound: make soak
 @pytest.mark.timeout(240)
 def test_workers_that_never_meet_end_both_launchers_within_the_bound_naming_the_wait(
     hosts, tmp_path
@@ -56,6 +57,7 @@ def test_workers_that_never_meet_end_both_launchers_within_the_bound_naming_the_
     assert took < JOIN_S + 90, f"{took:.0f} s\n{joined}"
 
 
+@pytest.mark.slow  # waits out its bound
 @pytest.mark.timeout(60)
 def test_a_store_that_cannot_be_reached_is_named_within_the_bound(monkeypatch):
     """A worker whose launcher's store does not answer (a firewall between the nodes, or
