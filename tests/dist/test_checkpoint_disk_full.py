@@ -63,6 +63,7 @@ def _fill_the_disk(ctx, directory):
     return None
 
 
+@pytest.mark.slow  # fills a small file system: make test, not the inner loop
 def test_a_full_disk_names_the_cause_removes_the_partial_file_and_keeps_the_last_checkpoint(
     tiny_disk,
 ):

@@ -108,6 +108,7 @@ def _pause_rank1(ctx, stage: int, before: str, pause_s: float) -> str:
     return waits.inspector().last_message
 
 
+@pytest.mark.slow  # each waits out a stall warning: make test, not the inner loop
 @pytest.mark.parametrize(
     ("stage", "before", "what"),
     [
