@@ -15,8 +15,6 @@ gradient is caught and named.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lockstep
 from lockstep.errors import NonFiniteGradientError
 from lockstep.testing import run_ranks
-from lockstep.testing.syncs import count_host_reads
+from lockstep.testing.syncs import count_a_settled_step
 
 CAPS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001}
 
@@ -46,28 +44,8 @@ def _counted_step(ctx, engine: str, mode: str) -> dict:
     model, buckets = _wrap(engine, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(ctx.rank)
-    calls: Counter[str] = Counter()
-    all_reduce = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["all_reduce"] += 1
-        return all_reduce(*args, **kwargs)
-
-    reads: Counter[str] = Counter()
-    for step in range(3):
-        loss = model(torch.randn(4, 16, generator=gen)).pow(2).mean()
-        if step == 2:
-            dist.all_reduce = counting
-            try:
-                with count_host_reads() as reads:
-                    loss.backward()
-            finally:
-                dist.all_reduce = all_reduce
-        else:
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {"reads": dict(reads), "all_reduce": calls["all_reduce"], "buckets": buckets}
+    reads, all_reduces = count_a_settled_step(model, opt, gen)
+    return {"reads": reads, "all_reduce": all_reduces, "buckets": buckets}
 
 
 def _both_modes(ctx, engine: str) -> dict:

@@ -15,17 +15,14 @@ test here) nothing is raised and the tests fail.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import lockstep
 from lockstep.errors import ReplicaMismatchError
 from lockstep.testing import run_ranks
-from lockstep.testing.syncs import count_host_reads
+from lockstep.testing.syncs import count_a_settled_step
 
 STEPS, FAULT_STEP = 7, 4
 
@@ -165,29 +162,9 @@ def _counted_step(ctx, on: bool) -> dict:
     model = lockstep.DistributedDataParallel(net, check_replicas=on, **caps)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(ctx.rank)
-    calls: Counter[str] = Counter()
-    all_reduce = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["all_reduce"] += 1
-        return all_reduce(*args, **kwargs)
-
-    reads: Counter[str] = Counter()
-    for step in range(3):
-        loss = model(torch.randn(4, 16, generator=gen)).pow(2).mean()
-        if step == 2:
-            dist.all_reduce = counting
-            try:
-                with count_host_reads() as reads:
-                    loss.backward()
-            finally:
-                dist.all_reduce = all_reduce
-        else:
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
+    reads, all_reduces = count_a_settled_step(model, opt, gen)
     checked = model.replicas.steps_checked
-    return {"reads": dict(reads), "all_reduce": calls["all_reduce"], "checked": checked}
+    return {"reads": reads, "all_reduce": all_reduces, "checked": checked}
 
 
 def _on_and_off(ctx) -> dict:

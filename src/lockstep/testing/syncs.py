@@ -96,3 +96,39 @@ def count_host_reads() -> Iterator[Counter[str]]:
                 setattr(torch.Tensor, name, original)
             else:
                 delattr(torch.Tensor, name)
+
+
+def count_a_settled_step(
+    model: Any, optimizer: Any, generator: Any, steps: int = 3
+) -> tuple[dict[str, int], int]:
+    """Train `steps` steps on (4, 16) inputs; the last backward's host reads and
+    `torch.distributed.all_reduce` calls (the first step's bucket rebuild is behind it).
+
+    Returns:
+        (host reads by kind, all-reduces issued during that backward).
+    """
+    import torch.distributed as dist
+
+    all_reduce = dist.all_reduce
+    calls = 0
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return all_reduce(*args, **kwargs)
+
+    reads: Counter[str] = Counter()
+    for step in range(steps):
+        loss = model(torch.randn(4, 16, generator=generator)).pow(2).mean()
+        if step == steps - 1:
+            dist.all_reduce = counting
+            try:
+                with count_host_reads() as reads:
+                    loss.backward()
+            finally:
+                dist.all_reduce = all_reduce
+        else:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(reads), calls
